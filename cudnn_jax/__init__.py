@@ -1,0 +1,12 @@
+"""cudnn_jax: cuDNN-grade fused GPU ops for JAX, with a pure-JAX engine everywhere.
+
+Every op takes ``implementation=None | "cudnn" | "cute" | "xla" | sequence``; None picks
+the fastest engine that serves the call and falls back to "xla".
+"""
+
+from cudnn_jax._extension import cache_info
+from cudnn_jax.engines import UnsupportedError, explain
+from cudnn_jax.sdpa import sdpa
+
+__all__ = ["UnsupportedError", "cache_info", "explain", "sdpa"]
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""Trace-time argument checks shared by every op: clear errors that name the argument."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def shape_of(name, x, rank=None):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+  if rank is not None and x.ndim not in ((rank,) if isinstance(rank, int) else rank):
+    raise ValueError(f"{name}: expected rank {rank}, got shape {tuple(x.shape)}")
+  return tuple(x.shape)
+
+
+def float_dtype(name, x, allowed=FLOAT_DTYPES):
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in allowed]:
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    raise TypeError(f"{name}: expected dtype in ({names}), got {jnp.dtype(x.dtype).name}")
+
+
+def int_dtype(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name}: expected an integer (int32) array, got {jnp.dtype(x.dtype).name}")
+
+
+def bool_dtype(name, x):
+  if jnp.dtype(x.dtype) != jnp.bool_:
+    raise TypeError(f"{name}: expected a bool array, got {jnp.dtype(x.dtype).name}")
+
+
+def expect_shape(name, x, expected):
+  if tuple(x.shape) != tuple(expected):
+    raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def broadcastable(name, x, target):
+  """x must broadcast (NumPy rules, no more dims than target) to ``target``."""
+  shape = tuple(x.shape)
+  ok = len(shape) <= len(target) and all(
+      d in (1, e) for d, e in zip(shape[::-1], target[::-1]))
+  if not ok:
+    raise ValueError(f"{name}: shape {shape} does not broadcast to {tuple(target)}")
+
+
+def static_int(name, value, *, minimum=None):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name}: expected a Python int, got {value!r}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+  return int(value)
+
+
+def one_of(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+  return value

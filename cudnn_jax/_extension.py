@@ -1,0 +1,48 @@
+"""Loads the compiled extension ``cudnn_jax._ffi`` and registers its FFI handlers with XLA.
+
+The extension is optional: a build without a CUDA toolkit has none, and every op then runs
+on the pure-JAX ``xla`` engine (one notice, logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+
+_log = logging.getLogger("cudnn_jax")
+
+
+@functools.cache
+def module():
+  """The extension module, or None (with one logged notice) when it is not built."""
+  try:
+    from cudnn_jax import _ffi  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    _log.info("cudnn_jax: compiled extension not available (%s); GPU engines are off, "
+              "every op runs on the 'xla' engine.", e)
+    return None
+  for name, capsule in _ffi.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  return _ffi
+
+
+def unavailable_reason() -> str | None:
+  """None when the GPU engines can run here, else why not."""
+  if module() is None:
+    return "the compiled extension cudnn_jax._ffi is not built (no CUDA toolkit at install time)"
+  if jax.default_backend() != "gpu":
+    return f"default backend is {jax.default_backend()!r}, not 'gpu'"
+  if any(d.platform != "gpu" or "NVIDIA" not in getattr(d, "device_kind", "NVIDIA")
+         for d in jax.local_devices()[:1]):
+    return "no NVIDIA GPU among the local devices"
+  return None
+
+
+def cache_info() -> dict:
+  """Process-wide cuDNN plan cache counters (size, capacity, hits, misses, evictions)."""
+  m = module()
+  if m is None:
+    return dict(size=0, capacity=0, hits=0, misses=0, evictions=0)
+  return dict(m.cache_info())

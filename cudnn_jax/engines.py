@@ -1,0 +1,138 @@
+"""Engine registry: which implementation serves a call, and why the others decline.
+
+Every op has engines registered under a name ("cudnn", "cute", "xla"). An engine is a
+``supports(call) -> str | None`` check over static facts (shapes, dtypes, flags, backend,
+GPU generation) that returns ``None`` when it can serve the call and otherwise the reason,
+plus ``run(call, *arrays)``. ``implementation=None`` tries engines in preference order and
+ends at ``"xla"``, which serves every valid call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+
+ENGINE_NAMES = ("cudnn", "cute", "xla")
+
+
+class UnsupportedError(NotImplementedError):
+  """An engine that was asked for explicitly cannot serve the call."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+  name: str
+  supports: Callable[[Any], str | None]
+  run: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  prepare: Callable[..., Any]  # (*args, **kwargs) -> call description
+  engines: dict[str, Engine]
+
+
+_OPS: dict[str, _Op] = {}
+
+
+def register_op(op: str, prepare: Callable[..., Any]) -> None:
+  """Declares an op; ``prepare`` validates user arguments into a static call description."""
+  _OPS[op] = _Op(prepare, {})
+
+
+def register_engine(op: str, name: str, *, supports, run) -> None:
+  if name not in ENGINE_NAMES:
+    raise ValueError(f"unknown engine name {name!r}; expected one of {ENGINE_NAMES}")
+  _OPS[op].engines[name] = Engine(name, supports, run)
+
+
+def _requested(implementation) -> tuple[tuple[str, ...], bool]:
+  """Engine names to try, and whether the user named them explicitly."""
+  if implementation is None:
+    return ENGINE_NAMES, False
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  if not names:
+    raise ValueError("implementation: expected None, an engine name or a non-empty sequence")
+  for n in names:
+    if n not in ENGINE_NAMES:
+      raise ValueError(f"implementation: unknown engine {n!r}; expected one of {ENGINE_NAMES}")
+  return names, True
+
+
+def reasons(op: str, call) -> dict[str, str | None]:
+  """Each registered engine's verdict on ``call``: None (can serve) or why not."""
+  out = {}
+  for name in ENGINE_NAMES:
+    engine = _OPS[op].engines.get(name)
+    out[name] = "no such engine for this op" if engine is None else _verdict(engine, call)
+  return out
+
+
+def _verdict(engine: Engine, call) -> str | None:
+  try:
+    return engine.supports(call)
+  except Exception as e:  # a failing check is a decline, never a crash of the op
+    return f"support check failed: {type(e).__name__}: {e}"
+
+
+def choose(op: str, call, implementation) -> Engine:
+  """The first engine of ``implementation`` that serves ``call``, else UnsupportedError."""
+  names, explicit = _requested(implementation)
+  declined = []
+  for name in names:
+    engine = _OPS[op].engines.get(name)
+    why = "no such engine for this op" if engine is None else _verdict(engine, call)
+    if why is None:
+      return engine
+    declined.append(f"{name}: {why}")
+  if not explicit:  # cannot happen while "xla" accepts every valid call
+    raise AssertionError(f"{op}: no engine served the call: " + "; ".join(declined))
+  raise UnsupportedError(f"{op}: no requested engine can serve this call: " + "; ".join(declined))
+
+
+def dispatch(op: str, implementation, call, *arrays):
+  return choose(op, call, implementation).run(call, *arrays)
+
+
+def _prepare_abstract(prepare, args, kwargs):
+  """``prepare(*args, **kwargs)`` traced on shapes only, so nothing runs on a device."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
+  calls = []
+
+  def trace(*arrays):
+    filled = list(leaves)
+    for i, a in zip(where, arrays):
+      filled[i] = a
+    a, kw = jax.tree.unflatten(tree, filled)
+    calls.append(prepare(*a, **kw))
+
+  jax.eval_shape(trace, *[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+                          for i in where])
+  return calls[0]
+
+
+def explain(fn_name: str, *args, **kwargs) -> str:
+  """Says which engine would serve ``fn_name(*args, **kwargs)`` and why the others decline.
+
+  Nothing runs on the device: only shapes, dtypes and static arguments are looked at (the
+  arrays may be ``jax.ShapeDtypeStruct``s).
+  """
+  if fn_name not in _OPS:
+    raise ValueError(f"fn_name: unknown op {fn_name!r}; known: {sorted(_OPS)}")
+  op = _OPS[fn_name]
+  implementation = kwargs.get("implementation")
+  call = _prepare_abstract(op.prepare, args, kwargs)
+  verdicts = reasons(fn_name, call)
+  try:
+    chosen = choose(fn_name, call, implementation).name
+    head = f"{fn_name}: engine {chosen!r} serves this call"
+  except UnsupportedError as e:
+    chosen, head = None, str(e)
+  lines = [head]
+  for name, why in verdicts.items():
+    mark = "chosen" if name == chosen else ("can serve" if why is None else f"declines: {why}")
+    lines.append(f"  {name}: {mark}")
+  return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""JAX primitives over the FFI handlers: abstract eval, lowering, batching, partitioning."""

@@ -1,0 +1,50 @@
+"""Pieces every FFI-backed primitive shares: batching folds and partition specs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def move_to_front(x, bdim, size):
+  """x with its vmapped axis first; an unbatched x is broadcast to ``size`` copies."""
+  if bdim is None:
+    return jnp.broadcast_to(x, (size,) + x.shape)
+  return jnp.moveaxis(x, bdim, 0)
+
+
+def fold(x, bdim, size):
+  """Folds the vmapped axis into the leading (batch) axis: [V,B,...] -> [V*B,...]."""
+  x = move_to_front(x, bdim, size)
+  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def unfold(x, size):
+  return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+def spec_axes(sharding, dim):
+  """The mesh axes (a tuple, maybe empty) that shard dimension ``dim``."""
+  if not isinstance(sharding, NamedSharding) or dim >= len(sharding.spec):
+    return ()
+  entry = sharding.spec[dim]
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def axes_size(mesh, axes):
+  size = 1
+  for a in axes:
+    size *= mesh.shape[a]
+  return size
+
+
+def named(mesh, *entries):
+  entries = [None if not e else (e[0] if len(e) == 1 else e) for e in entries]
+  return NamedSharding(mesh, P(*entries))
+
+
+def with_shape(x, dtype=None):
+  return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)

@@ -1,0 +1,359 @@
+"""Scaled dot-product attention: ``cudnn_jax.sdpa``.
+
+A drop-in for ``jax.nn.dot_product_attention`` (same leading arguments, same results) with
+more masks, soft-capping, sinks, packed sequences, dropout and the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cudnn_jax import _checks, engines
+from cudnn_jax.engines import UnsupportedError
+
+
+class SdpaInputs(NamedTuple):
+  """The array arguments, 4-D and validated; absent ones are None."""
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  bias: jax.Array | None = None  # rank 4, broadcastable to [B,N,T,S]
+  mask: jax.Array | None = None  # rank 4 bool, broadcastable to [B,N,T,S]
+  query_seq_lengths: jax.Array | None = None
+  key_value_seq_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  sinks: jax.Array | None = None
+  dropout_rng: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaCall:
+  """Everything static about one call: what engines decide on."""
+  b: int
+  t: int
+  s: int
+  n: int
+  k: int
+  h: int
+  hv: int
+  dtype: str
+  scale: float
+  is_causal: bool = False
+  bottom_right: bool = False
+  window: tuple | None = None  # (left, right), None = unbounded side
+  bias_shape: tuple | None = None
+  mask_shape: tuple | None = None
+  has_q_lengths: bool = False
+  has_kv_lengths: bool = False
+  has_segments: bool = False
+  logits_soft_cap: float | None = None
+  has_sinks: bool = False
+  dropout_rate: float = 0.0
+  return_lse: bool = False
+  unbatched: bool = False
+
+
+def _window(local_window_size):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int,)) and not isinstance(local_window_size, bool):
+    w = _checks.static_int("local_window_size", local_window_size, minimum=0)
+    return (w, w)
+  try:
+    left, right = local_window_size
+  except (TypeError, ValueError):
+    raise TypeError("local_window_size: expected None, an int or a (left, right) pair, "
+                    f"got {local_window_size!r}") from None
+  return tuple(None if x is None else _checks.static_int("local_window_size", x, minimum=0)
+               for x in (left, right))
+
+
+def _prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+             implementation=None, causal_alignment="top_left", logits_soft_cap=None,
+             sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
+             dropout_rng=None, return_lse=False, context_parallel_axis=None,
+             context_parallel_strategy="all_gather"):
+  """Validates the user's arguments into (SdpaCall, SdpaInputs)."""
+  del implementation
+  qs = _checks.shape_of("query", query, (3, 4))
+  unbatched = len(qs) == 3
+  rank = len(qs)
+  ks = _checks.shape_of("key", key, rank)
+  vs = _checks.shape_of("value", value, rank)
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _checks.float_dtype(name, x)
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError("query, key, value: expected one dtype, got "
+                    f"{query.dtype}, {key.dtype}, {value.dtype}")
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  b, t, n, h = query.shape
+  _, s, k, hv = value.shape
+  if key.shape[0] != b or value.shape[0] != b:
+    raise ValueError(f"key, value: batch must be {b} (query's), got shapes {ks} and {vs}")
+  if key.shape[1:3] != (s, k):
+    raise ValueError(f"key: expected [B,S,K,H] matching value's S={s}, K={k}, got {ks}")
+  if key.shape[3] != h:
+    raise ValueError(f"key: head dim must equal query's H={h}, got shape {ks}")
+  if n % k:
+    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k}")
+
+  full = (b, n, t, s)
+  view = full[1:] if unbatched else full
+
+  def as4d(name, x):
+    _checks.broadcastable(name, x, view)
+    x = x.reshape((1,) * (len(view) - x.ndim) + tuple(x.shape))
+    return x[None] if unbatched else x
+
+  if bias is not None:
+    _checks.shape_of("bias", bias)
+    _checks.float_dtype("bias", bias)
+    bias = as4d("bias", bias)
+  if mask is not None:
+    _checks.shape_of("mask", mask)
+    _checks.bool_dtype("mask", mask)
+    mask = as4d("mask", mask)
+
+  def lengths(name, x, size):
+    if x is None:
+      return None
+    _checks.shape_of(name, x, 1 if not unbatched else (0, 1))
+    _checks.int_dtype(name, x)
+    x = x.reshape(-1).astype(jnp.int32)
+    _checks.expect_shape(name, x, (b,))
+    return x
+  query_seq_lengths = lengths("query_seq_lengths", query_seq_lengths, t)
+  key_value_seq_lengths = lengths("key_value_seq_lengths", key_value_seq_lengths, s)
+
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
+  if q_segment_ids is not None:
+    for name, x, length in (("q_segment_ids", q_segment_ids, t),
+                            ("kv_segment_ids", kv_segment_ids, s)):
+      _checks.int_dtype(name, x)
+      _checks.expect_shape(name, x, (length,) if unbatched else (b, length))
+    q_segment_ids = q_segment_ids.reshape(b, t).astype(jnp.int32)
+    kv_segment_ids = kv_segment_ids.reshape(b, s).astype(jnp.int32)
+
+  if sinks is not None:
+    _checks.float_dtype("sinks", sinks)
+    _checks.expect_shape("sinks", sinks, (n,))
+
+  if scale is None:
+    scale = 1.0 / math.sqrt(h)
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+  _checks.one_of("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+  if logits_soft_cap is not None:
+    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+      raise ValueError(f"logits_soft_cap: expected a positive float, got {logits_soft_cap!r}")
+    logits_soft_cap = float(logits_soft_cap)
+  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate: expected a float in [0, 1), got {dropout_rate!r}")
+  if dropout_rate > 0 and dropout_rng is None:
+    raise ValueError("dropout_rng: required when dropout_rate > 0")
+  _checks.one_of("context_parallel_strategy", context_parallel_strategy, ("all_gather", "ring"))
+  if context_parallel_axis is not None:
+    raise UnsupportedError("context_parallel_axis: context parallelism is not implemented yet")
+
+  call = SdpaCall(
+      b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=jnp.dtype(query.dtype).name,
+      scale=float(scale), is_causal=bool(is_causal),
+      bottom_right=causal_alignment == "bottom_right", window=_window(local_window_size),
+      bias_shape=None if bias is None else tuple(bias.shape),
+      mask_shape=None if mask is None else tuple(mask.shape),
+      has_q_lengths=query_seq_lengths is not None,
+      has_kv_lengths=key_value_seq_lengths is not None,
+      has_segments=q_segment_ids is not None, logits_soft_cap=logits_soft_cap,
+      has_sinks=sinks is not None, dropout_rate=float(dropout_rate),
+      return_lse=bool(return_lse), unbatched=unbatched)
+  inputs = SdpaInputs(query, key, value, bias, mask, query_seq_lengths,
+                      key_value_seq_lengths, q_segment_ids, kv_segment_ids, sinks,
+                      dropout_rng if dropout_rate > 0 else None)
+  return call, inputs
+
+
+def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+         query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+         implementation=None, causal_alignment="top_left", logits_soft_cap=None,
+         sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
+         dropout_rng=None, return_lse=False, context_parallel_axis=None,
+         context_parallel_strategy="all_gather"):
+  """Scaled dot-product attention.
+
+  ``query [B,T,N,H]``, ``key [B,S,K,H]``, ``value [B,S,K,Hv]`` (or unbatched ``[T,N,H]``
+  ...), ``N % K == 0``: query head n reads kv head ``n // (N // K)``. Logits
+  ``scale * q.k`` (scale defaults to ``1/sqrt(H)``), plus ``bias`` (broadcast to
+  ``[B,N,T,S]``), then soft-capped ``c * tanh(s / c)``. Masks combine with AND and exclude
+  logits: ``mask`` (True keeps), ``is_causal`` (``u <= t``, or ``u <= t + S_b - T_b`` with
+  ``causal_alignment="bottom_right"``), ``local_window_size`` ``(left, right)`` or ``w``
+  (keep ``t - left <= u <= t + right``, shifted alike), valid lengths ``query_seq_lengths``
+  / ``key_value_seq_lengths`` ``[B]``, and packed-sequence ``q_segment_ids [B,T]`` /
+  ``kv_segment_ids [B,S]`` (keep equal ids). ``sinks [N]`` joins each row's softmax
+  denominator. A row with no kept key, or past its valid length, outputs 0 (lse -inf, or
+  the sink logit). ``dropout_rate`` drops probabilities (inverted), keyed by
+  ``dropout_rng``.
+
+  Returns ``out [B,T,N,Hv]`` in the input dtype, and with ``return_lse=True`` also
+  ``lse [B,N,T]`` float32 (natural log of the softmax denominator).
+
+  ``implementation``: None (fastest engine that serves the call, falling back to "xla"),
+  "cudnn", "xla", or a sequence tried in order; a named engine that cannot serve the call
+  raises ``cudnn_jax.UnsupportedError`` with the reason. ``cudnn_jax.explain("sdpa", ...)``
+  tells which engine would run.
+  """
+  call, inputs = _prepare(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, causal_alignment=causal_alignment,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      return_lse=return_lse, context_parallel_axis=context_parallel_axis,
+      context_parallel_strategy=context_parallel_strategy)
+  out, lse = engines.dispatch("sdpa", implementation, call, inputs)
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if call.return_lse else out
+
+
+def _run_xla(call: SdpaCall, x: SdpaInputs):
+  from cudnn_jax.reference import sdpa as ref  # pylint: disable=g-import-not-at-top
+  return ref.sdpa(
+      x.query, x.key, x.value, x.bias, x.mask, scale=call.scale, is_causal=call.is_causal,
+      bottom_right=call.bottom_right, window=call.window,
+      query_seq_lengths=x.query_seq_lengths, key_value_seq_lengths=x.key_value_seq_lengths,
+      q_segment_ids=x.q_segment_ids, kv_segment_ids=x.kv_segment_ids,
+      logits_soft_cap=call.logits_soft_cap, sinks=x.sinks, dropout_rate=call.dropout_rate,
+      dropout_rng=x.dropout_rng)
+
+
+engines.register_op("sdpa", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("sdpa", "xla", supports=lambda call: None, run=_run_xla)
+
+
+# ---------------------------------------------------------------------------------------
+# The cudnn engine.
+
+
+def _cudnn_config(call: SdpaCall, *, has_bias: bool):
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  left, right = call.window if call.window is not None else (None, None)
+  return prim.SdpaConfig(
+      scale=call.scale, causal=call.is_causal, bottom_right=call.bottom_right,
+      window_left=-1 if left is None else left, window_right=-1 if right is None else right,
+      softcap=call.logits_soft_cap or 0.0, has_bias=has_bias,
+      has_padding=call.has_q_lengths or call.has_kv_lengths,
+      has_dbias=call.bias_shape is not None)
+
+
+def _cudnn_bias_shape(call: SdpaCall):
+  """The [Bb,Nb,T,S] bias cuDNN sees: the user's bias and mask merged, T and S whole."""
+  shapes = [x for x in (call.bias_shape, call.mask_shape) if x is not None]
+  if not shapes:
+    return None
+  bb = max(x[0] for x in shapes)
+  nb = max(x[1] for x in shapes)
+  return (bb, nb, call.t, call.s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cudnn_check(call: SdpaCall, backward: bool) -> str | None:
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  bias_shape = _cudnn_bias_shape(call)
+  config = _cudnn_config(call, has_bias=bias_shape is not None)
+  query = config.check_config(backward=backward, dtype=call.dtype, b=call.b, t=call.t,
+                              s=call.s, n=call.n, k=call.k, h=call.h, hv=call.hv,
+                              bias_shape=bias_shape)
+  reason = _extension.module().sdpa_check(query)
+  return reason or None
+
+
+def _supports_cudnn(call: SdpaCall) -> str | None:
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  why = _extension.unavailable_reason()
+  if why:
+    return why
+  if call.dtype not in ("bfloat16", "float16"):
+    return f"dtype {call.dtype}: cuDNN SDPA runs bfloat16 and float16 only"
+  if call.has_segments:
+    return "q_segment_ids/kv_segment_ids: not served by the cudnn engine yet"
+  if call.has_sinks:
+    return "sinks: not served by the cudnn engine yet"
+  if call.dropout_rate > 0:
+    return "dropout_rate > 0: not served by the cudnn engine yet"
+  return _cudnn_check(call, backward=False)
+
+
+def _row_valid(call: SdpaCall, x: SdpaInputs, keep_any=None):
+  """[B,1,T] or [B,N,T] bool: rows that keep at least one key (None when all do).
+
+  cuDNN leaves rows with no kept key ill-defined (a uniform softmax over masked logits);
+  SPEC makes them 0 with lse -inf, so the engine selects them out afterwards.
+  """
+  from cudnn_jax.reference import sdpa as ref  # pylint: disable=g-import-not-at-top
+  lengths = call.has_q_lengths or call.has_kv_lengths
+  empty_possible = (lengths or call.window is not None or call.mask_shape is not None
+                    or (call.is_causal and call.bottom_right and call.t > call.s))
+  if not empty_possible:
+    return None
+  b, t, s = call.b, call.t, call.s
+  q_len = x.query_seq_lengths if x.query_seq_lengths is not None else jnp.full((b,), t)
+  kv_len = (x.key_value_seq_lengths if x.key_value_seq_lengths is not None
+            else jnp.full((b,), s))
+  if x.mask is not None:
+    keep = ref.band_keep(jnp.arange(t), jnp.arange(s), q_len, kv_len,
+                         is_causal=call.is_causal, bottom_right=call.bottom_right,
+                         window=call.window) & x.mask
+    return jnp.any(keep, axis=-1)
+  # Closed form of the same: the kept key range of row t is [lo, hi].
+  tt = jnp.arange(t)[None, :]
+  tb, sb = q_len[:, None], kv_len[:, None]
+  diag = tt + (sb - tb if call.bottom_right else 0)
+  hi = sb - 1
+  lo = jnp.zeros_like(diag)
+  left, right = call.window if call.window is not None else (None, None)
+  if call.is_causal:
+    hi = jnp.minimum(hi, diag)
+  if right is not None:
+    hi = jnp.minimum(hi, diag + right)
+  if left is not None:
+    lo = jnp.maximum(lo, diag - left)
+  return ((tt < tb) & (lo <= hi))[:, None, :]
+
+
+def _run_cudnn(call: SdpaCall, x: SdpaInputs):
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  bias_shape = _cudnn_bias_shape(call)
+  bias = None
+  if bias_shape is not None:
+    dtype = x.query.dtype
+    bias = (jnp.zeros((), dtype) if x.bias is None else x.bias.astype(dtype))
+    if x.mask is not None:  # excluded logits: the most negative finite value
+      bias = jnp.where(x.mask, bias, jnp.finfo(dtype).min)
+    bias = jnp.broadcast_to(bias, bias_shape)
+  q_lens = k_lens = None
+  if call.has_q_lengths or call.has_kv_lengths:
+    q_lens = (x.query_seq_lengths if x.query_seq_lengths is not None
+              else jnp.full((call.b,), call.t, jnp.int32))
+    k_lens = (x.key_value_seq_lengths if x.key_value_seq_lengths is not None
+              else jnp.full((call.b,), call.s, jnp.int32))
+  config = _cudnn_config(call, has_bias=bias is not None)
+  out, lse = prim.attention(config, functools.partial(_cudnn_check, call, True),
+                            x.query, x.key, x.value, bias, q_lens, k_lens)
+  valid = _row_valid(call, x)
+  if valid is not None:
+    out = jnp.where(jnp.swapaxes(valid, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(valid, lse, -jnp.inf)
+  return out, lse
+
+
+engines.register_engine("sdpa", "cudnn", supports=_supports_cudnn, run=_run_cudnn)
