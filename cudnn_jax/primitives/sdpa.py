@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend import core as jex_core
+from jax._src import dispatch as jax_dispatch
 from jax.interpreters import batching, mlir
 
 from cudnn_jax.primitives import _common
@@ -103,22 +104,22 @@ def _extras_shardings(config, mesh, batch, heads, extra_shapes):
   return out
 
 
-def _fwd_partition(config, mesh, arg_shapes, result_shape):
+def _fwd_partition(impl, config, mesh, arg_shapes, result_shape):
   shapes = [a.shape for a in arg_shapes]
   batch, heads, bshd = _operand_specs(config, mesh, arg_shapes[0].sharding, shapes)
   args = [bshd, bshd, bshd] + _extras_shardings(config, mesh, batch, heads, shapes[3:])
   results = (bshd, _common.named(mesh, batch, heads, ()))
-  return mesh, functools.partial(_fwd_ffi, config), results, tuple(args)
+  return mesh, functools.partial(impl, config), results, tuple(args)
 
 
-def _bwd_partition(config, mesh, arg_shapes, result_shape):
+def _bwd_partition(impl, config, mesh, arg_shapes, result_shape):
   shapes = [a.shape for a in arg_shapes]
   batch, heads, bshd = _operand_specs(config, mesh, arg_shapes[0].sharding, shapes)
   lse = _common.named(mesh, batch, heads, ())
   extras = _extras_shardings(config, mesh, batch, heads, shapes[6:])
   args = [bshd] * 5 + [lse] + extras
   results = [bshd] * 3 + ([extras[0]] if config.has_dbias else [])
-  return mesh, functools.partial(_bwd_ffi, config), tuple(results), tuple(args)
+  return mesh, functools.partial(impl, config), tuple(results), tuple(args)
 
 
 def _sharding_rule(backward, config, mesh, arg_types, result_types):
@@ -136,20 +137,50 @@ def _sharding_rule(backward, config, mesh, arg_types, result_types):
     results = qkv + (extras[:1] if config.has_dbias else [])
   else:
     operands, results = qkv + extras, ["b t n d", "b n t"]
-  return ", ".join(operands) + " -> " + ", ".join(results)
+  rule = ", ".join(operands) + " -> " + ", ".join(results)
+  return rule, dict(need_replication_factors=("t", "s", "h", "d"))
 
 
-def _partitioned(ffi_fn, partition, backward):
-  fn = custom_partitioning(ffi_fn, static_argnums=(0,))
+def _partitioned(impl, partition, backward):
+  fn = custom_partitioning(impl, static_argnums=(0,))
   fn.def_partition(
-      partition=partition,
-      sharding_rule=functools.partial(_sharding_rule, backward),
-      need_replication_factors=("t", "s", "h", "d"))
+      partition=functools.partial(partition, impl),
+      sharding_rule=functools.partial(_sharding_rule, backward))
   return fn
 
 
-_fwd_partitioned = _partitioned(_fwd_ffi, _fwd_partition, backward=False)
-_bwd_partitioned = _partitioned(_bwd_ffi, _bwd_partition, backward=True)
+def _split_extras(config, extras):
+  extras = list(extras)
+  bias = extras.pop(0) if config.has_bias else None
+  q_lens, kv_lens = extras if config.has_padding else (None, None)
+  return bias, q_lens, kv_lens
+
+
+def _fwd_emulated(config, q, k, v, *extras):
+  """The forward in plain JAX: the primitive's lowering on platforms without cuDNN."""
+  return tuple(_reference(config, q, k, v, *_split_extras(config, extras)))
+
+
+def _bwd_emulated(config, q, k, v, out, dout, lse, *extras):
+  del out, lse
+  bias, q_lens, kv_lens = _split_extras(config, extras)
+  _, vjp = jax.vjp(lambda q, k, v, bias: _reference(config, q, k, v, bias, q_lens, kv_lens)[0],
+                   q, k, v, bias)
+  dq, dk, dv, dbias = vjp(dout)
+  return (dq, dk, dv) + ((dbias,) if config.has_dbias else ())
+
+
+def _register_lowering(prim, impl, partition, backward, platform):
+  partitioned = _partitioned(impl, partition, backward)
+
+  def lowering(ctx, *args, config):
+    # A computation on one device (or not yet assigned to devices) has nothing to
+    # partition; custom_partitioning cannot lower without a device assignment.
+    devices = getattr(ctx.module_context.axis_context, "device_assignment", ())
+    fn = impl if devices is None or len(devices) == 1 else partitioned
+    return mlir.lower_fun(lambda *a: fn(config, *a), multiple_results=True)(ctx, *args)
+
+  mlir.register_lowering(prim, lowering, platform=platform)
 
 
 # ---------------------------------------------------------------------------------------
@@ -159,6 +190,8 @@ sdpa_fwd_p = jex_core.Primitive("cudnn_jax_sdpa_fwd")
 sdpa_fwd_p.multiple_results = True
 sdpa_bwd_p = jex_core.Primitive("cudnn_jax_sdpa_bwd")
 sdpa_bwd_p.multiple_results = True
+for _p in (sdpa_fwd_p, sdpa_bwd_p):  # eager calls compile the primitive alone
+  _p.def_impl(functools.partial(jax_dispatch.apply_primitive, _p))
 
 
 @sdpa_fwd_p.def_abstract_eval
@@ -178,14 +211,12 @@ def _bwd_abstract(q, k, v, out, dout, lse, *extras, config):
   return tuple(res)
 
 
-mlir.register_lowering(
-    sdpa_fwd_p,
-    mlir.lower_fun(lambda *a, config: _fwd_partitioned(config, *a), multiple_results=True),
-    platform="cuda")
-mlir.register_lowering(
-    sdpa_bwd_p,
-    mlir.lower_fun(lambda *a, config: _bwd_partitioned(config, *a), multiple_results=True),
-    platform="cuda")
+_register_lowering(sdpa_fwd_p, _fwd_ffi, _fwd_partition, False, "cuda")
+_register_lowering(sdpa_bwd_p, _bwd_ffi, _bwd_partition, True, "cuda")
+# Elsewhere the same primitives lower to plain JAX, so their batching, partitioning and
+# differentiation rules are exercised by the CPU tests.
+_register_lowering(sdpa_fwd_p, _fwd_emulated, _fwd_partition, False, "cpu")
+_register_lowering(sdpa_bwd_p, _bwd_emulated, _bwd_partition, True, "cpu")
 
 
 def _fold_extras(config, extras, dims, size, batch):
