@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the extension on a GPU machine from this tree, runs the GPU tests and benchmarks.
-#   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [what: all|build|test|bench]
+#   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [SWEEP_PROCESSES]
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers).
 set -uo pipefail
-LOG=${1:?log dir}; WHL=${2:-.whl}; WHAT=${3:-all}
+LOG=${1:?log dir}; WHL=${2:-.whl}; PROCS=${3:-6}
+TREE=$(pwd)
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
 SITE=/tmp/cudnn_jax_site
@@ -13,19 +14,26 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$LOG/gpu.txt" 2>&1
 
-if [ "$WHAT" = all ] || [ "$WHAT" = build ]; then
-  start=$(date +%s)
-  python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
-    || { tail -60 "$LOG/build.log"; exit 1; }
-  echo "build: $(( $(date +%s) - start )) s"
-fi
-# Run from outside the tree so the installed package (with its extension) is imported.
+start=$(date +%s)
+python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
+  || { tail -60 "$LOG/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+
+# From outside the tree, so the installed package (with its extension) is imported.
 cd /tmp
-python3 -c "import cudnn_jax, cudnn_jax._extension as e; print('extension:', e.module(), e.unavailable_reason())"
-if [ "$WHAT" = all ] || [ "$WHAT" = test ]; then
-  CUDNN_JAX_SWEEP_LOG=$LOG/sweep.json python3 -m pytest -m gpu -x -q -p no:cacheprovider \
-    "$OLDPWD/tests/gpu" 2>&1 | tee "$LOG/pytest_gpu.log" | tail -40
-fi
-if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  python3 "$OLDPWD/bench/sdpa.py" --out "$LOG" 2>&1 | tee "$LOG/bench.log" | tail -60
-fi
+timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" "$TREE/tests/gpu" \
+  > "$LOG/pytest_named.log" 2>&1; echo "named GPU tests: $(tail -1 "$LOG/pytest_named.log")"
+timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/sdpa.py" --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+
+# The sweep, split over processes that share the GPU.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
+for i in $(seq 0 $((PROCS - 1))); do
+  CUDNN_JAX_SWEEP_SHARD=$i/$PROCS CUDNN_JAX_SWEEP_LOG=$LOG/sweep_$i.json \
+    timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
+    "$TREE/tests/gpu" > "$LOG/sweep_$i.log" 2>&1 &
+done
+wait
+for i in $(seq 0 $((PROCS - 1))); do
+  echo "== sweep shard $i: $(tail -1 "$LOG/sweep_$i.log")"
+  grep -E "^sdpa cudnn sweep|declined x|max error|FAILED" "$LOG/sweep_$i.log" | head -12
+done

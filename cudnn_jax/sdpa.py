@@ -110,6 +110,9 @@ def _prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
   view = full[1:] if unbatched else full
 
   def as4d(name, x):
+    if unbatched and x.ndim == 4:  # as in jax.nn, a rank-4 [1,N,T,S]-broadcastable form
+      _checks.broadcastable(name, x, full)
+      return x
     _checks.broadcastable(name, x, view)
     x = x.reshape((1,) * (len(view) - x.ndim) + tuple(x.shape))
     return x[None] if unbatched else x

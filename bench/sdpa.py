@@ -1,0 +1,267 @@
+"""Benchmark of cudnn_jax.sdpa against jax.nn.dot_product_attention.
+
+    python bench/sdpa.py [--out DIR] [--quick] [--no-loop]
+
+On a GPU: B*S = 16384 tokens, 16 heads, head dim 128, bfloat16, S in {1k, 4k, 8k, 16k},
+causal and not, forward and forward+backward, for cudnn_jax.sdpa (implementation="cudnn")
+and jax.nn.dot_product_attention with implementation "cudnn" and "xla"; plus a decode
+row (B=64, 32 query heads, 8 kv heads, kv length 8192, one query token). Two timings per
+case: the median wall time of single jitted calls (block_until_ready around each), and
+the median per-call time of 10 calls chained inside one jitted loop (no dispatch gaps).
+FLOPs: 4*B*N*S^2*H forward (half when causal), x3.5 for forward+backward.
+
+With --quick: tiny shapes (on CPU, the xla engines only), for a smoke test.
+Writes DIR/sdpa.json and DIR/sdpa.png (DIR defaults to bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import cudnn_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+WARMUP = 3
+CALLS = 20
+LOOP = 10  # calls inside one jitted loop
+LOOP_REPEATS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  b: int
+  t: int
+  s: int
+  n: int
+  k: int
+  h: int
+  causal: bool = False
+
+  def flops(self, backward):
+    f = 4.0 * self.b * self.n * self.t * self.s * self.h
+    if self.causal:
+      f /= 2
+    return f * (3.5 if backward else 1.0)
+
+  def kv_bytes(self, dtype):
+    return 2 * self.b * self.s * self.k * self.h * jnp.dtype(dtype).itemsize
+
+
+def engines(on_gpu):
+  """name -> attention function (q, k, v, is_causal) -> out; the first is ours."""
+  ours = "cudnn_jax cudnn" if on_gpu else "cudnn_jax xla"
+  out = {ours: functools.partial(cudnn_jax.sdpa, implementation=ours.split()[1])}
+  if on_gpu:
+    out["jax.nn cudnn"] = functools.partial(jax.nn.dot_product_attention,
+                                            implementation="cudnn")
+  out["jax.nn xla"] = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+  return out
+
+
+def skip_reason(engine, shape, backward, on_gpu):
+  if not on_gpu or "xla" not in engine:
+    return None
+  if shape.s >= 16384 or (backward and shape.s >= 8192):
+    return "too slow / too much memory for the xla engine"
+  return None
+
+
+def make_fns(attn, causal, backward):
+  """(single call, LOOP chained calls) as jitted functions of (q, k, v, dout)."""
+  def step(q, k, v, dout):
+    if not backward:
+      return attn(q, k, v, is_causal=causal)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v, is_causal=causal).astype(jnp.float32)
+                                   * dout.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  def first(x):
+    return jax.tree.leaves(x)[0].reshape(-1)[0].astype(jnp.float32)
+
+  def loop(q, k, v, dout):
+    # Each call reads the previous one's first output element (times 0), so XLA can
+    # neither hoist the call out of the loop nor overlap iterations.
+    def body(_, carry):
+      q, acc = carry
+      q = q.at[0, 0, 0, 0].add((acc * 0).astype(q.dtype))
+      return q, first(step(q, k, v, dout))
+    return jax.lax.fori_loop(0, LOOP, body, (q, jnp.float32(0)))[1]
+
+  return jax.jit(step), jax.jit(loop)
+
+
+def time_calls(fn, args, calls, warmup=WARMUP):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def inputs(shape, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (shape.b, shape.t, shape.n, shape.h), dtype)
+  k = jax.random.normal(keys[1], (shape.b, shape.s, shape.k, shape.h), dtype)
+  v = jax.random.normal(keys[2], (shape.b, shape.s, shape.k, shape.h), dtype)
+  dout = jax.random.normal(keys[3], q.shape, dtype)
+  return jax.block_until_ready((q, k, v, dout))
+
+
+def rel_diff(a, b):
+  a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def measure(name, attn, shape, dtype, backward, use_loop, args):
+  """One row: times in ms (None when the engine cannot run it) and the error, if any."""
+  row = dict(engine=name, b=shape.b, t=shape.t, s=shape.s, n=shape.n, k=shape.k, h=shape.h,
+             causal=shape.causal, backward=backward, dtype=jnp.dtype(dtype).name)
+  single, looped = make_fns(attn, shape.causal, backward)
+  try:
+    row["ms"] = 1e3 * time_calls(single, args, CALLS)
+    if use_loop:
+      row["ms_in_jit"] = 1e3 * time_calls(looped, args, LOOP_REPEATS, warmup=1) / LOOP
+    if not backward:
+      row["_out"] = single(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  for key in ("ms", "ms_in_jit"):
+    if row.get(key):
+      row[key.replace("ms", "tflops")] = shape.flops(backward) / (row[key] * 1e-3) / 1e12
+      if shape.t == 1:
+        row[key.replace("ms", "gbps")] = shape.kv_bytes(dtype) / (row[key] * 1e-3) / 1e9
+  return row
+
+
+def run(quick, on_gpu, use_loop):
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  if quick:
+    tokens, n, h, seqs = 512, 2, 32, (64, 256)
+    decode = Shape(b=4, t=1, s=256, n=4, k=2, h=32)
+  else:
+    tokens, n, h, seqs = 16384, 16, 128, (1024, 4096, 8192, 16384)
+    decode = Shape(b=64, t=1, s=8192, n=32, k=8, h=128)
+  cases = [(Shape(b=tokens // s, t=s, s=s, n=n, k=n, h=h, causal=c), bwd)
+           for s in seqs for c in (False, True) for bwd in (False, True)]
+  cases.append((decode, False))
+  table = engines(on_gpu)
+  baseline = "jax.nn cudnn" if on_gpu else "jax.nn xla"
+  rows = []
+  for shape, backward in cases:
+    args = inputs(shape, dtype)
+    group = []
+    for name, attn in table.items():
+      why = skip_reason(name, shape, backward, on_gpu)
+      if why:
+        group.append(dict(engine=name, s=shape.s, t=shape.t, causal=shape.causal,
+                          backward=backward, skipped=why))
+        continue
+      group.append(measure(name, attn, shape, dtype, backward, use_loop, args))
+    base = next((r for r in group if r["engine"] == baseline and r.get("ms")), None)
+    for r in group:
+      if base and r.get("ms"):
+        r["ratio"] = base["ms"] / r["ms"]  # > 1: faster than the baseline
+      if base and "_out" in r and "_out" in base:
+        r["rel_diff_vs_baseline"] = rel_diff(r["_out"], base["_out"])
+    for r in group:
+      r.pop("_out", None)
+      print_row(r)
+    rows.extend(group)
+    del args
+  return rows, baseline
+
+
+HEADER = (f"{'S':>6} {'T':>5} {'causal':>6} {'pass':>8} {'engine':<16} {'ms':>9} "
+          f"{'TFLOP/s':>8} {'ms(jit10)':>10} {'TFLOP/s':>8} {'GB/s':>7} {'ratio':>6}")
+
+
+def print_row(r):
+  def f(key, fmt):
+    return format(r[key], fmt) if r.get(key) is not None else "-"
+  pass_ = "fwd+bwd" if r["backward"] else "fwd"
+  line = (f"{r['s']:>6} {r['t']:>5} {str(r['causal']):>6} {pass_:>8} {r['engine']:<16} "
+          f"{f('ms', '.3f'):>9} {f('tflops', '.1f'):>8} {f('ms_in_jit', '.3f'):>10} "
+          f"{f('tflops_in_jit', '.1f'):>8} {f('gbps', '.0f'):>7} {f('ratio', '.2f'):>6}")
+  note = r.get("skipped") or r.get("error")
+  print(line + (f"  ({note})" if note else ""), flush=True)
+
+
+def plot(rows, path, baseline):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  groups = []
+  for r in rows:
+    key = (r["s"], r["t"], r["causal"], r["backward"])
+    if key not in groups:
+      groups.append(key)
+  names = list(dict.fromkeys(r["engine"] for r in rows))
+  width = 0.8 / len(names)
+  fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
+  for i, name in enumerate(names):
+    values = []
+    for key in groups:
+      r = next((r for r in rows if r["engine"] == name
+                and (r["s"], r["t"], r["causal"], r["backward"]) == key), {})
+      values.append(r.get("tflops") or 0.0)
+    ax.bar(np.arange(len(groups)) + i * width, values, width, label=name)
+  labels = [f"{'decode ' if t == 1 else ''}S={s}\n{'causal ' if c else ''}"
+            f"{'fwd+bwd' if b else 'fwd'}" for s, t, c, b in groups]
+  ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, labels, fontsize=7)
+  ax.set_ylabel("TFLOP/s (single jitted call)")
+  ax.set_title(f"sdpa, {rows[0]['dtype']}, {jax.devices()[0].device_kind} "
+               f"(baseline: {baseline})")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  parser.add_argument("--no-loop", action="store_true",
+                      help="skip the 10-calls-in-one-jit timing")
+  args = parser.parse_args()
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not args.quick:
+    parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
+                 "use --quick for a smoke test")
+  if on_gpu:
+    probe = jax.ShapeDtypeStruct((1, 128, 16, 128), jnp.bfloat16)
+    print(cudnn_jax.explain("sdpa", probe, probe, probe, implementation="cudnn"))
+  print(HEADER)
+  start = time.perf_counter()
+  rows, baseline = run(args.quick, on_gpu, not args.no_loop)
+  elapsed = time.perf_counter() - start
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+              jax=jax.__version__, quick=args.quick, baseline=baseline, seconds=elapsed,
+              cache_info=cudnn_jax.cache_info(), warmup=WARMUP, calls=CALLS, loop=LOOP)
+  json_path = os.path.join(args.out, "sdpa.json")
+  with open(json_path, "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  png_path = os.path.join(args.out, "sdpa.png")
+  plot(rows, png_path, baseline)
+  print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,224 @@
+#include "common/graph_utils.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+namespace cudnn_jax {
+namespace {
+
+constexpr int kMaxTunedCandidates = 8;
+constexpr int kTimedRuns = 3;
+// cuDNN wants 256-byte aligned workspaces; XLA's scratch allocator refuses alignments above
+// 16, so over-allocate and round up.
+constexpr uintptr_t kWorkspaceAlignment = 256;
+
+bool autotune_enabled() {
+  const char* env = std::getenv("CUDNN_JAX_AUTOTUNE");
+  return env == nullptr || std::string_view(env) != "0";
+}
+
+// Workspace of plan `index`, or -1 when that candidate failed to build.
+int64_t plan_workspace(const fe::graph::Graph& graph, int64_t index) {
+  int64_t size = 0;
+  if (graph.get_workspace_size_plan_at_index(index, size).is_bad()) return -1;
+  return size;
+}
+
+// One candidate: an execution plan of one of the entry's graphs.
+struct Candidate {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t index;
+};
+
+// Built candidates of every graph of `plan`, each graph's in heuristic order, at most
+// `limit` per graph.
+std::vector<Candidate> built_candidates(const CachedPlan& plan, int limit) {
+  std::vector<Candidate> out;
+  std::vector<std::shared_ptr<fe::graph::Graph>> graphs = {plan.graph};
+  graphs.insert(graphs.end(), plan.alternatives.begin(), plan.alternatives.end());
+  for (const auto& graph : graphs) {
+    int taken = 0;
+    int64_t count = graph->get_execution_plan_count();
+    for (int64_t i = 0; i < count && taken < limit; ++i) {
+      if (plan_workspace(*graph, i) >= 0) out.push_back({graph, i}), ++taken;
+    }
+  }
+  return out;
+}
+
+// A workspace of `size` bytes from XLA's scratch allocator (nullptr when size is 0);
+// false when the allocation fails.
+bool allocate_workspace(ffi::ScratchAllocator& scratch, int64_t size, void** out) {
+  *out = nullptr;
+  if (size <= 0) return true;
+  auto mem = scratch.Allocate(static_cast<size_t>(size) + kWorkspaceAlignment);
+  if (!mem.has_value()) return false;
+  uintptr_t p = reinterpret_cast<uintptr_t>(*mem);
+  *out = reinterpret_cast<void*>((p + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1));
+  return true;
+}
+
+ffi::Error workspace_error(std::string_view op, std::string_view stage, int64_t size) {
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    stage_message(op, stage, "cannot allocate a workspace of " +
+                                                 std::to_string(size) + " bytes"));
+}
+
+struct Events {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ~Events() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  }
+};
+
+// Milliseconds for kTimedRuns executions of plan `index` after one warm-up, or a
+// negative value when the plan fails to run.
+float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_t stream,
+                std::unordered_map<int64_t, void*>& tensors, void* workspace, int64_t index,
+                Events& ev) {
+  if (graph.execute_plan_at_index(handle, tensors, workspace, index).is_bad()) return -1.f;
+  if (cudaEventRecord(ev.start, stream) != cudaSuccess) return -1.f;
+  for (int i = 0; i < kTimedRuns; ++i) {
+    if (graph.execute_plan_at_index(handle, tensors, workspace, index).is_bad()) return -1.f;
+  }
+  if (cudaEventRecord(ev.stop, stream) != cudaSuccess) return -1.f;
+  if (cudaEventSynchronize(ev.stop) != cudaSuccess) return -1.f;
+  float ms = -1.f;
+  if (cudaEventElapsedTime(&ms, ev.start, ev.stop) != cudaSuccess) return -1.f;
+  return ms;
+}
+
+// Picks plan.plan_index: the fastest timed candidate, or the heuristic's first choice.
+ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
+                       ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
+                       std::string_view op) {
+  std::vector<Candidate> candidates =
+      built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1);
+  if (!autotune_enabled()) candidates.resize(std::min<size_t>(candidates.size(), 1));
+  if (candidates.empty()) return internal_error(stage_message(op, "autotune", "no built plan"));
+  auto keep = [&plan](const Candidate& best) {
+    plan.graph = best.graph;
+    plan.alternatives.clear();  // the losers' plans are not needed any more
+    plan.plan_index = best.index;
+    plan.workspace_size = plan_workspace(*best.graph, best.index);
+  };
+  if (candidates.size() == 1) {
+    keep(candidates[0]);
+    return ffi::Error::Success();
+  }
+  int64_t max_workspace = 0;
+  for (const Candidate& c : candidates) {
+    max_workspace = std::max(max_workspace, plan_workspace(*c.graph, c.index));
+  }
+  void* workspace = nullptr;
+  if (!allocate_workspace(scratch, max_workspace, &workspace)) {
+    return workspace_error(op, "autotune", max_workspace);
+  }
+  Events ev;
+  if (cudaEventCreate(&ev.start) != cudaSuccess || cudaEventCreate(&ev.stop) != cudaSuccess) {
+    return internal_error(stage_message(op, "autotune", "cudaEventCreate failed"));
+  }
+  const Candidate* best = nullptr;
+  float best_ms = std::numeric_limits<float>::max();
+  for (const Candidate& c : candidates) {
+    float ms = time_plan(*c.graph, handle, stream, tensors, workspace, c.index, ev);
+    if (ms >= 0.f && ms < best_ms) {
+      best_ms = ms;
+      best = &c;
+    }
+  }
+  // A failed run can leave a sticky error on the stream's context; clear a non-sticky one.
+  cudaGetLastError();
+  if (best == nullptr) {
+    return internal_error(stage_message(op, "autotune", "no candidate plan executed"));
+  }
+  keep(*best);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+std::optional<fe::DataType_t> to_cudnn_dtype(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::BF16: return fe::DataType_t::BFLOAT16;
+    case ffi::DataType::F16: return fe::DataType_t::HALF;
+    case ffi::DataType::F32: return fe::DataType_t::FLOAT;
+    case ffi::DataType::F64: return fe::DataType_t::DOUBLE;
+    case ffi::DataType::S8: return fe::DataType_t::INT8;
+    case ffi::DataType::S32: return fe::DataType_t::INT32;
+    case ffi::DataType::S64: return fe::DataType_t::INT64;
+    case ffi::DataType::U8: return fe::DataType_t::UINT8;
+    case ffi::DataType::PRED: return fe::DataType_t::BOOLEAN;
+    case ffi::DataType::F8E4M3FN: return fe::DataType_t::FP8_E4M3;
+    case ffi::DataType::F8E5M2: return fe::DataType_t::FP8_E5M2;
+    default: return std::nullopt;
+  }
+}
+
+std::string dtype_name(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::PRED: return "bool";
+    default: return "dtype#" + std::to_string(static_cast<int>(dtype));
+  }
+}
+
+std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op) {
+  if (auto err = graph.validate(); err.is_bad()) return stage_message(op, "validate", err);
+  if (auto err = graph.build_operation_graph(handle); err.is_bad()) {
+    return stage_message(op, "build_operation_graph", err);
+  }
+  if (auto err = graph.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+      err.is_bad()) {
+    return stage_message(op, "create_execution_plans", err);
+  }
+  if (auto err = graph.check_support(handle); err.is_bad()) {
+    return stage_message(op, "check_support", err);
+  }
+  fe::BuildPlanPolicy_t policy =
+      autotune_enabled() ? fe::BuildPlanPolicy_t::ALL : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE;
+  if (auto err = graph.build_plans(handle, policy); err.is_bad()) {
+    return stage_message(op, "build_plans", err);
+  }
+  return "";
+}
+
+ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
+                    ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
+                    std::string_view op) {
+  std::lock_guard<std::mutex> handle_lock(handle.mu);
+  if (std::string err = set_handle_stream(handle, stream); !err.empty()) {
+    return internal_error(stage_message(op, "set_stream", err));
+  }
+  {
+    std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
+    if (plan.plan_index < 0) {
+      if (ffi::Error err = choose_plan(plan, handle.handle, stream, scratch, tensors, op);
+          err.failure()) {
+        return err;
+      }
+    }
+  }
+
+  void* workspace = nullptr;
+  if (!allocate_workspace(scratch, plan.workspace_size, &workspace)) {
+    return workspace_error(op, "workspace", plan.workspace_size);
+  }
+  if (auto err = plan.graph->execute_plan_at_index(handle.handle, tensors, workspace,
+                                                   plan.plan_index);
+      err.is_bad()) {
+    return internal_error(stage_message(op, "execute", err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cudnn_jax

@@ -1,0 +1,608 @@
+// SDPA forward/backward handlers on cudnn_frontend's fused attention graph.
+//
+// Layout: q/k/v/out stay in XLA's row-major BSHD buffers; the graph sees them as
+// [B, heads, seq, dim] through strides, so no transposes are needed. Stats (the
+// log-sum-exp) is [B, N, T, 1] float32, which is the lse buffer [B, N, T].
+
+#include "sdpa_cudnn.h"
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common/cudnn_runtime.h"
+#include "common/errors.h"
+#include "common/graph_utils.h"
+#include "common/plan_cache.h"
+
+namespace cudnn_jax {
+namespace {
+
+using Graph = fe::graph::Graph;
+using TensorAttrs = fe::graph::Tensor_attributes;
+using Tensor = std::shared_ptr<TensorAttrs>;
+
+// Tensor uids: fixed per role, so one variant-pack layout serves every plan.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kBias, kSeqLenQ, kSeqLenKv, kDO, kDQ, kDK, kDV, kDBias,
+};
+
+const char* op_name(const SdpaConfig& c) { return c.backward ? "sdpa_bwd" : "sdpa_fwd"; }
+
+std::string float_key(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return std::to_string(bits);
+}
+
+std::string cache_key(const SdpaConfig& c, int device) {
+  std::string key = std::string(op_name(c)) + "|dev" + std::to_string(device) + "|" +
+                    dtype_name(c.dtype);
+  for (int64_t d : {c.b, c.t, c.s, c.n, c.k, c.h, c.hv, c.bias_b, c.bias_n}) {
+    key += "|" + std::to_string(d);
+  }
+  key += "|" + float_key(c.scale) + "|" + float_key(c.softcap);
+  key += "|" + std::to_string(c.window_left) + "|" + std::to_string(c.window_right);
+  for (bool f : {c.causal, c.bottom_right, c.has_bias, c.has_padding, c.has_dbias}) {
+    key += f ? "|1" : "|0";
+  }
+  return key;
+}
+
+// Checks that need no cuDNN: the reason this configuration cannot be served, or "".
+std::string config_error(const SdpaConfig& c) {
+  if (c.dtype != ffi::DataType::BF16 && c.dtype != ffi::DataType::F16) {
+    return "dtype: cuDNN SDPA takes bfloat16 or float16, got " + dtype_name(c.dtype);
+  }
+  if (c.b <= 0 || c.t <= 0 || c.s <= 0 || c.n <= 0 || c.k <= 0 || c.h <= 0 || c.hv <= 0) {
+    return "shapes: every extent must be positive";
+  }
+  if (c.n % c.k != 0) return "heads: query heads must be a multiple of key/value heads";
+  if (c.has_bias && (c.bias_b != 1 && c.bias_b != c.b)) return "bias: batch extent must be 1 or B";
+  if (c.has_bias && (c.bias_n != 1 && c.bias_n != c.n)) return "bias: head extent must be 1 or N";
+  if (c.has_dbias && !(c.backward && c.has_bias)) return "dbias: needs a bias, backward only";
+  if (c.window_left < -1 || c.window_right < -1) return "window: bounds are >= 0, or -1";
+  if (c.softcap < 0.f) return "logits_soft_cap: must be positive";
+  if (c.softcap > 0.f && c.has_bias) {
+    return "logits_soft_cap: not supported together with a bias by the cuDNN SDPA graph "
+           "(its score modifier runs before the bias is added)";
+  }
+  if (c.softcap > 0.f && c.has_padding) {
+    return "logits_soft_cap: not supported together with sequence lengths by the cuDNN SDPA "
+           "graph";
+  }
+  return "";
+}
+
+// Diagonal band of the mask, in cuDNN's terms. With row t, column u (both shifted by
+// S_b - T_b under bottom-right alignment), cuDNN keeps
+//   u <= t + right_bound        and        u > t - left_bound.
+// Our attributes keep t - window_left <= u <= t + window_right, so
+//   right_bound = window_right (0 under causal),  left_bound = window_left + 1.
+struct Band {
+  std::optional<int64_t> left, right;
+  fe::DiagonalAlignment_t alignment = fe::DiagonalAlignment_t::TOP_LEFT;
+  bool any() const { return left.has_value() || right.has_value(); }
+};
+
+Band band_of(const SdpaConfig& c) {
+  Band band;
+  if (c.causal) {
+    band.right = 0;  // causal with window_right >= 0 is still u <= t
+  } else if (c.window_right >= 0) {
+    band.right = c.window_right;
+  }
+  if (c.window_left >= 0) band.left = int64_t{c.window_left} + 1;
+  band.alignment =
+      c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT;
+  return band;
+}
+
+template <typename Attrs>
+void set_band(Attrs& attrs, const Band& band) {
+  if (!band.any()) return;
+  attrs.set_diagonal_alignment(band.alignment);
+  if (band.right) attrs.set_diagonal_band_right_bound(static_cast<int>(*band.right));
+  if (band.left) attrs.set_diagonal_band_left_bound(static_cast<int>(*band.left));
+}
+
+// Logit soft-capping as a score modifier: s -> c * tanh(s / c), then the band mask (the
+// frontend refuses its own masks next to a score modifier, so the modifier applies it).
+// The backward modifier multiplies dS by 1 - tanh^2; masked entries already have dS = 0.
+struct SoftcapMods {
+  using Mod = std::function<Tensor(std::shared_ptr<Graph>, Tensor)>;
+  Mod forward, backward;
+};
+
+SoftcapMods softcap_mods(const SdpaConfig& c) {
+  auto softcap = std::make_shared<fe::graph::attn::score_modifiers::Softcap>();
+  const float cap = c.softcap;
+  const Band band = band_of(c);
+  const int64_t t = c.t, s = c.s;
+  SoftcapMods mods;
+  mods.forward = [softcap, cap, band, t, s](std::shared_ptr<Graph> graph, Tensor score) {
+    Tensor out = softcap->forward(graph, score, std::make_shared<TensorAttrs>(cap));
+    if (band.any()) {
+      out = fe::graph::attn::score_modifiers::sliding_window_mask(
+          graph, out, band.alignment, band.left, band.right, t, s, nullptr, nullptr, nullptr,
+          nullptr);
+    }
+    return out;
+  };
+  mods.backward = [softcap, cap](std::shared_ptr<Graph> graph, Tensor dscore) {
+    return softcap->backward(graph, dscore, std::make_shared<TensorAttrs>(cap));
+  };
+  return mods;
+}
+
+// Masks, padding and score modifiers shared by the forward and backward attributes.
+template <typename Attrs>
+void set_masking(Attrs& attrs, const SdpaConfig& c, Graph& graph) {
+  if (c.has_padding) {
+    auto seq_len = [&](const char* name, int64_t uid) {
+      return graph.tensor(TensorAttrs()
+                              .set_name(name)
+                              .set_uid(uid)
+                              .set_dim({c.b, 1, 1, 1})
+                              .set_stride({1, 1, 1, 1})
+                              .set_data_type(fe::DataType_t::INT32));
+    };
+    attrs.set_padding_mask(true)
+        .set_seq_len_q(seq_len("seq_len_q", kSeqLenQ))
+        .set_seq_len_kv(seq_len("seq_len_kv", kSeqLenKv));
+  }
+  if (c.softcap > 0.f) {
+    SoftcapMods mods = softcap_mods(c);
+    attrs.set_score_mod(mods.forward);
+    if constexpr (std::is_same_v<Attrs, fe::graph::SDPA_backward_attributes>) {
+      attrs.set_score_mod_bprop(mods.backward);
+    }
+  } else {
+    set_band(attrs, band_of(c));
+  }
+}
+
+// A [B, heads, seq, dim] view of a row-major [B, seq, heads, dim] buffer.
+TensorAttrs bshd(const char* name, int64_t uid, int64_t b, int64_t heads, int64_t seq,
+                 int64_t dim) {
+  return TensorAttrs()
+      .set_name(name)
+      .set_uid(uid)
+      .set_dim({b, heads, seq, dim})
+      .set_stride({seq * heads * dim, dim, heads * dim, 1});
+}
+
+std::vector<int64_t> bias_dims(const SdpaConfig& c) { return {c.bias_b, c.bias_n, c.t, c.s}; }
+std::vector<int64_t> bias_strides(const SdpaConfig& c) {
+  return {c.bias_n * c.t * c.s, c.t * c.s, c.s, 1};
+}
+
+Tensor add_bias(Graph& graph, const SdpaConfig& c) {
+  return graph.tensor(
+      TensorAttrs().set_name("bias").set_uid(kBias).set_dim(bias_dims(c)).set_stride(
+          bias_strides(c)));
+}
+
+void add_forward(Graph& graph, const SdpaConfig& c, fe::AttentionImplementation_t impl) {
+  Tensor q = graph.tensor(bshd("q", kQ, c.b, c.n, c.t, c.h));
+  Tensor k = graph.tensor(bshd("k", kK, c.b, c.k, c.s, c.h));
+  Tensor v = graph.tensor(bshd("v", kV, c.b, c.k, c.s, c.hv));
+
+  fe::graph::SDPA_attributes attrs;
+  attrs.set_name("sdpa_fwd")
+      .set_generate_stats(true)
+      .set_attn_scale(c.scale)
+      .set_implementation(impl);
+  if (c.has_bias) attrs.set_bias(add_bias(graph, c));
+  set_masking(attrs, c, graph);
+
+  auto [o, stats] = graph.sdpa(q, k, v, std::move(attrs));
+  o->set_output(true).set_uid(kO).set_dim({c.b, c.n, c.t, c.hv}).set_stride(
+      {c.t * c.n * c.hv, c.hv, c.n * c.hv, 1});
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim({c.b, c.n, c.t, 1})
+      .set_stride({c.n * c.t, c.t, 1, 1});
+}
+
+void add_backward(Graph& graph, const SdpaConfig& c) {
+  Tensor q = graph.tensor(bshd("q", kQ, c.b, c.n, c.t, c.h));
+  Tensor k = graph.tensor(bshd("k", kK, c.b, c.k, c.s, c.h));
+  Tensor v = graph.tensor(bshd("v", kV, c.b, c.k, c.s, c.hv));
+  Tensor o = graph.tensor(bshd("o", kO, c.b, c.n, c.t, c.hv));
+  Tensor d_o = graph.tensor(bshd("do", kDO, c.b, c.n, c.t, c.hv));
+  Tensor stats = graph.tensor(TensorAttrs()
+                                  .set_name("stats")
+                                  .set_uid(kStats)
+                                  .set_dim({c.b, c.n, c.t, 1})
+                                  .set_stride({c.n * c.t, c.t, 1, 1})
+                                  .set_data_type(fe::DataType_t::FLOAT));
+
+  fe::graph::SDPA_backward_attributes attrs;
+  attrs.set_name("sdpa_bwd").set_attn_scale(c.scale);
+  if (c.has_bias) attrs.set_bias(add_bias(graph, c));
+  if (c.has_dbias) {
+    Tensor dbias = graph.tensor(TensorAttrs()
+                                    .set_name("dbias")
+                                    .set_uid(kDBias)
+                                    .set_dim(bias_dims(c))
+                                    .set_stride(bias_strides(c)));
+    dbias->set_output(true);
+    attrs.set_dbias(dbias);
+  }
+  set_masking(attrs, c, graph);
+
+  auto [dq, dk, dv] = graph.sdpa_backward(q, k, v, o, d_o, stats, std::move(attrs));
+  auto like = [](Tensor& t, int64_t uid, const TensorAttrs& view) {
+    t->set_output(true).set_uid(uid).set_dim(view.get_dim()).set_stride(view.get_stride());
+  };
+  like(dq, kDQ, bshd("dq", kDQ, c.b, c.n, c.t, c.h));
+  like(dk, kDK, bshd("dk", kDK, c.b, c.k, c.s, c.h));
+  like(dv, kDV, bshd("dv", kDV, c.b, c.k, c.s, c.hv));
+}
+
+std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHandle& handle) {
+  auto plan = std::make_shared<CachedPlan>();
+  const char* op = op_name(c);
+  try {
+    if (std::string why = config_error(c); !why.empty()) {
+      plan->error = stage_message(op, "config", why);
+      return plan;
+    }
+    std::string err;
+    int sm = sm_version(device, &err);
+    if (sm < 0) {
+      plan->error = stage_message(op, "device", err);
+      return plan;
+    }
+    auto new_graph = [&] {
+      auto graph = std::make_shared<Graph>();
+      graph->set_io_data_type(*to_cudnn_dtype(c.dtype))
+          .set_intermediate_data_type(fe::DataType_t::FLOAT)
+          .set_compute_data_type(fe::DataType_t::FLOAT);
+      graph->set_sm_version(sm);
+      return graph;
+    };
+    auto graph = new_graph();
+    if (c.backward) {
+      add_backward(*graph, c);
+    } else {
+      // The composite implementation serves every configuration (the unified one needs
+      // cuDNN >= 9.21 for band masks); without masks or modifiers the unified one is
+      // built too, and autotuning keeps the faster.
+      add_forward(*graph, c, fe::AttentionImplementation_t::COMPOSITE);
+    }
+    std::lock_guard<std::mutex> lock(handle.mu);
+    if (std::string why = build_graph(*graph, handle.handle, op); !why.empty()) {
+      plan->error = why;
+      return plan;
+    }
+    plan->graph = std::move(graph);
+    if (!c.backward && !band_of(c).any() && c.softcap == 0.f) {
+      auto unified = new_graph();
+      add_forward(*unified, c, fe::AttentionImplementation_t::UNIFIED);
+      if (build_graph(*unified, handle.handle, op).empty()) {
+        plan->alternatives.push_back(std::move(unified));
+      }
+    }
+  } catch (const std::exception& e) {
+    plan->error = stage_message(op, "build", e.what());
+  }
+  return plan;
+}
+
+// Finds or builds the plan of `c` on `device`; on failure returns null with *error set.
+std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& c, int device, DeviceHandle** handle,
+                                     std::string* error) {
+  const char* op = op_name(c);
+  if (const std::string& why = load_cudnn(); !why.empty()) {
+    *error = stage_message(op, "load", why);
+    return nullptr;
+  }
+  std::string err;
+  *handle = device_handle(device, &err);
+  if (*handle == nullptr) {
+    *error = stage_message(op, "handle", err);
+    return nullptr;
+  }
+  DeviceHandle& h = **handle;
+  auto plan = PlanCache::global().get_or_build(cache_key(c, device),
+                                               [&] { return build_plan(c, device, h); });
+  if (!plan->graph) {
+    *error = plan->error;
+    return nullptr;
+  }
+  return plan;
+}
+
+int stream_device(cudaStream_t stream, std::string* error) {
+  int device = -1;
+  if (cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
+  cudaGetLastError();
+  return current_device(error);
+}
+
+// ---- argument decoding -------------------------------------------------------------
+
+std::string dims_text(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+// Checks a buffer's dtype and shape; "" when they match.
+std::string expect(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                   std::initializer_list<int64_t> dims) {
+  if (buf.element_type() != dtype) {
+    return std::string(name) + ": expected dtype " + dtype_name(dtype) + ", got " +
+           dtype_name(buf.element_type());
+  }
+  auto got = buf.dimensions();
+  bool same = got.size() == dims.size();
+  for (size_t i = 0; same && i < dims.size(); ++i) same = got[i] == dims.begin()[i];
+  if (!same) {
+    std::string want = "[";
+    size_t i = 0;
+    for (int64_t d : dims) want += (i++ ? "," : "") + std::to_string(d);
+    return std::string(name) + ": expected shape " + want + "], got " + dims_text(got);
+  }
+  return "";
+}
+
+struct Optionals {
+  std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens;
+};
+
+// Reads bias / q_lens / kv_lens from the trailing arguments, as the attributes announce.
+std::string decode_optionals(const ffi::RemainingArgs& rest, bool has_bias, bool has_padding,
+                             Optionals* out) {
+  size_t want = (has_bias ? 1 : 0) + (has_padding ? 2 : 0);
+  if (rest.size() != want) {
+    return "expected " + std::to_string(want) + " trailing arguments (bias, lengths), got " +
+           std::to_string(rest.size());
+  }
+  size_t i = 0;
+  auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> std::string {
+    auto buf = rest.get<ffi::AnyBuffer>(i++);
+    if (buf.has_error()) return buf.error().message();
+    *slot = *buf;
+    return "";
+  };
+  std::string err;
+  if (has_bias && (err = next(&out->bias)).empty() == false) return err;
+  if (has_padding && (err = next(&out->q_lens)).empty() == false) return err;
+  if (has_padding && (err = next(&out->kv_lens)).empty() == false) return err;
+  return "";
+}
+
+// Fills the shape fields of `c` from q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] and the bias.
+std::string shapes_from(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const Optionals& opt, SdpaConfig* c) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return "q, k, v must be rank 4 (BTNH, BSKH, BSKH)";
+  }
+  c->dtype = q.element_type();
+  c->b = qd[0], c->t = qd[1], c->n = qd[2], c->h = qd[3];
+  c->s = kd[1], c->k = kd[2], c->hv = vd[3];
+  std::string err;
+  if (!(err = expect("k", k, c->dtype, {c->b, c->s, c->k, c->h})).empty()) return err;
+  if (!(err = expect("v", v, c->dtype, {c->b, c->s, c->k, c->hv})).empty()) return err;
+  if (opt.bias) {
+    auto bd = opt.bias->dimensions();
+    if (bd.size() != 4) return "bias must be rank 4 [Bb,Nb,T,S]";
+    c->bias_b = bd[0], c->bias_n = bd[1];
+    if (!(err = expect("bias", *opt.bias, c->dtype, {c->bias_b, c->bias_n, c->t, c->s})).empty()) {
+      return err;
+    }
+  }
+  if (opt.q_lens) {
+    if (!(err = expect("q_lens", *opt.q_lens, ffi::DataType::S32, {c->b})).empty()) return err;
+    if (!(err = expect("kv_lens", *opt.kv_lens, ffi::DataType::S32, {c->b})).empty()) return err;
+  }
+  return "";
+}
+
+void bind_optionals(const Optionals& opt, std::unordered_map<int64_t, void*>& tensors) {
+  if (opt.bias) tensors[kBias] = opt.bias->untyped_data();
+  if (opt.q_lens) {
+    tensors[kSeqLenQ] = opt.q_lens->untyped_data();
+    tensors[kSeqLenKv] = opt.kv_lens->untyped_data();
+  }
+}
+
+// Rows past the valid lengths are not written by cuDNN: start them from zero.
+ffi::Error zero_fill(cudaStream_t stream, const char* op,
+                     std::initializer_list<ffi::AnyBuffer*> outputs) {
+  for (ffi::AnyBuffer* buf : outputs) {
+    if (cudaError_t err = cudaMemsetAsync(buf->untyped_data(), 0, buf->size_bytes(), stream);
+        err != cudaSuccess) {
+      return internal_error(stage_message(op, "zero_fill", cudaGetErrorString(err)));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Device, handle and plan for one handler call.
+ffi::Error prepare(const SdpaConfig& c, cudaStream_t stream, std::shared_ptr<CachedPlan>* plan,
+                   DeviceHandle** handle) {
+  const char* op = op_name(c);
+  std::string err;
+  int device = stream_device(stream, &err);
+  if (device < 0) return internal_error(stage_message(op, "device", err));
+  *plan = plan_for(c, device, handle, &err);
+  if (!*plan) {
+    // An unsupported configuration is the caller's error: engine selection should have
+    // asked sdpa_check first.
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- handlers ----------------------------------------------------------------------
+
+ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs rest,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                    bool causal, bool bottom_right, int32_t window_left, int32_t window_right,
+                    float softcap, bool has_bias, bool has_padding) {
+  return guarded("sdpa_fwd", [&]() -> ffi::Error {
+    SdpaConfig c;
+    c.backward = false;
+    c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
+    c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
+    c.has_bias = has_bias, c.has_padding = has_padding;
+
+    Optionals opt;
+    std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
+    if (err.empty()) err = shapes_from(q, k, v, opt, &c);
+    if (err.empty()) err = expect("out", *out, c.dtype, {c.b, c.t, c.n, c.hv});
+    if (err.empty()) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
+    if (!err.empty()) return invalid_argument(stage_message("sdpa_fwd", "arguments", err));
+
+    std::shared_ptr<CachedPlan> plan;
+    DeviceHandle* handle = nullptr;
+    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
+
+    std::unordered_map<int64_t, void*> tensors = {
+        {kQ, q.untyped_data()},     {kK, k.untyped_data()},       {kV, v.untyped_data()},
+        {kO, out->untyped_data()},  {kStats, lse->untyped_data()},
+    };
+    bind_optionals(opt, tensors);
+    if (has_padding) {
+      if (ffi::Error e = zero_fill(stream, "sdpa_fwd", {&*out}); e.failure()) return e;
+    }
+    return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_fwd");
+  });
+}
+
+ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                    ffi::AnyBuffer lse, ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::RemainingRets rest_rets, float scale, bool causal, bool bottom_right,
+                    int32_t window_left, int32_t window_right, float softcap, bool has_bias,
+                    bool has_padding, bool has_dbias) {
+  return guarded("sdpa_bwd", [&]() -> ffi::Error {
+    SdpaConfig c;
+    c.backward = true;
+    c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
+    c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
+    c.has_bias = has_bias, c.has_padding = has_padding, c.has_dbias = has_dbias;
+
+    Optionals opt;
+    std::optional<ffi::AnyBuffer> dbias;
+    std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
+    if (err.empty()) err = shapes_from(q, k, v, opt, &c);
+    if (err.empty()) err = expect("out", out, c.dtype, {c.b, c.t, c.n, c.hv});
+    if (err.empty()) err = expect("dout", dout, c.dtype, {c.b, c.t, c.n, c.hv});
+    if (err.empty()) err = expect("lse", lse, ffi::DataType::F32, {c.b, c.n, c.t});
+    if (err.empty()) err = expect("dq", *dq, c.dtype, {c.b, c.t, c.n, c.h});
+    if (err.empty()) err = expect("dk", *dk, c.dtype, {c.b, c.s, c.k, c.h});
+    if (err.empty()) err = expect("dv", *dv, c.dtype, {c.b, c.s, c.k, c.hv});
+    if (err.empty() && rest_rets.size() != (has_dbias ? 1u : 0u)) {
+      err = "expected " + std::to_string(has_dbias ? 1 : 0) + " trailing results (dbias), got " +
+            std::to_string(rest_rets.size());
+    }
+    if (err.empty() && has_dbias) {
+      auto ret = rest_rets.get<ffi::AnyBuffer>(0);
+      if (ret.has_error()) {
+        err = ret.error().message();
+      } else {
+        dbias = **ret;
+        err = expect("dbias", *dbias, c.dtype, {c.bias_b, c.bias_n, c.t, c.s});
+      }
+    }
+    if (!err.empty()) return invalid_argument(stage_message("sdpa_bwd", "arguments", err));
+
+    std::shared_ptr<CachedPlan> plan;
+    DeviceHandle* handle = nullptr;
+    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
+
+    std::unordered_map<int64_t, void*> tensors = {
+        {kQ, q.untyped_data()},     {kK, k.untyped_data()},     {kV, v.untyped_data()},
+        {kO, out.untyped_data()},   {kDO, dout.untyped_data()}, {kStats, lse.untyped_data()},
+        {kDQ, dq->untyped_data()},  {kDK, dk->untyped_data()},  {kDV, dv->untyped_data()},
+    };
+    bind_optionals(opt, tensors);
+    if (dbias) tensors[kDBias] = dbias->untyped_data();
+    if (has_padding) {
+      ffi::Error e = dbias ? zero_fill(stream, "sdpa_bwd", {&*dq, &*dk, &*dv, &*dbias})
+                           : zero_fill(stream, "sdpa_bwd", {&*dq, &*dk, &*dv});
+      if (e.failure()) return e;
+    }
+    return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_bwd");
+  });
+}
+
+}  // namespace
+
+std::string sdpa_check(const SdpaConfig& requested) {
+  SdpaConfig config = requested;
+  config.has_dbias = config.backward && config.has_dbias;  // the forward has no dbias
+  std::string err;
+  int device = current_device(&err);
+  if (device < 0) return stage_message(op_name(config), "device", err);
+  try {
+    DeviceHandle* handle = nullptr;
+    return plan_for(config, device, &handle, &err) ? "" : err;
+  } catch (const std::exception& e) {
+    return stage_message(op_name(config), "exception", e.what());
+  }
+}
+
+}  // namespace cudnn_jax
+
+namespace ffi = xla::ffi;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .RemainingArgs()        // [bias], [q_lens, kv_lens]
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("bottom_right")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_padding"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .RemainingArgs()        // [bias], [q_lens, kv_lens]
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .RemainingRets()        // [dbias]
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("bottom_right")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_padding")
+                                  .Attr<bool>("has_dbias"));
