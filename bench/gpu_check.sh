@@ -21,19 +21,37 @@ echo "build: $(( $(date +%s) - start )) s"
 
 # From outside the tree, so the installed package (with its extension) is imported.
 cd /tmp
-timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" "$TREE/tests/gpu" \
+[ "${NAMED_TIMEOUT:-120}" = 0 ] || timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" "$TREE/tests/gpu" \
   > "$LOG/pytest_named.log" 2>&1; echo "named GPU tests: $(tail -1 "$LOG/pytest_named.log")"
-timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/sdpa.py" --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/sdpa.py" --out "$LOG" ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log"
 
 # The sweep, split over processes that share the GPU.
+SWEEP=$(mktemp -d)
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
 for i in $(seq 0 $((PROCS - 1))); do
-  CUDNN_JAX_SWEEP_SHARD=$i/$PROCS CUDNN_JAX_SWEEP_LOG=$LOG/sweep_$i.json \
-    timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
-    "$TREE/tests/gpu" > "$LOG/sweep_$i.log" 2>&1 &
+  CUDNN_JAX_SWEEP_SHARD=$i/$PROCS timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
+    "$TREE/tests/gpu" > "$SWEEP/sweep_$i.log" 2>&1 &
 done
 wait
 for i in $(seq 0 $((PROCS - 1))); do
-  echo "== sweep shard $i: $(tail -1 "$LOG/sweep_$i.log")"
-  grep -E "^sdpa cudnn sweep|declined x|max error|FAILED" "$LOG/sweep_$i.log" | head -12
+  echo "== sweep shard $i: $(tail -1 "$SWEEP/sweep_$i.log")"
 done
+# One line a configuration, from every shard (also when a shard was cut short).
+cat "$SWEEP"/sweep_*.log | grep '^{"config"' > "$LOG/sweep_records.jsonl"
+python3 - "$LOG/sweep_records.jsonl" <<'PY'
+import collections, json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+status = collections.Counter(r["status"] for r in rows)
+print("sweep:", len(rows), "configurations:", dict(status))
+for reason, n in collections.Counter(r.get("reason", "")[:150] for r in rows
+                                     if r["status"] == "declined").most_common():
+  print(f"  declined x{n}: {reason}")
+worst = collections.defaultdict(float)
+for r in rows:
+  for k, v in (r.get("errors") or {}).items():
+    worst[k] = max(worst[k], v)
+print("  max error:", ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+for r in rows:
+  if r["status"] == "failed":
+    print("  FAILED", r["config"], r.get("problems"))
+PY

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import cudnn_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import cudnn_jax
 
 WARMUP = 3
 CALLS = 20
@@ -59,14 +58,15 @@ class Shape:
     return 2 * self.b * self.s * self.k * self.h * jnp.dtype(dtype).itemsize
 
 
-def engines(on_gpu):
+def engines(on_gpu, with_xla=True):
   """name -> attention function (q, k, v, is_causal) -> out; the first is ours."""
   ours = "cudnn_jax cudnn" if on_gpu else "cudnn_jax xla"
   out = {ours: functools.partial(cudnn_jax.sdpa, implementation=ours.split()[1])}
   if on_gpu:
     out["jax.nn cudnn"] = functools.partial(jax.nn.dot_product_attention,
                                             implementation="cudnn")
-  out["jax.nn xla"] = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+  if with_xla or not on_gpu:
+    out["jax.nn xla"] = functools.partial(jax.nn.dot_product_attention, implementation="xla")
   return out
 
 
@@ -148,7 +148,7 @@ def measure(name, attn, shape, dtype, backward, use_loop, args):
   return row
 
 
-def run(quick, on_gpu, use_loop):
+def run(quick, on_gpu, use_loop, with_xla=True):
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   if quick:
     tokens, n, h, seqs = 512, 2, 32, (64, 256)
@@ -159,7 +159,7 @@ def run(quick, on_gpu, use_loop):
   cases = [(Shape(b=tokens // s, t=s, s=s, n=n, k=n, h=h, causal=c), bwd)
            for s in seqs for c in (False, True) for bwd in (False, True)]
   cases.append((decode, False))
-  table = engines(on_gpu)
+  table = engines(on_gpu, with_xla)
   baseline = "jax.nn cudnn" if on_gpu else "jax.nn xla"
   rows = []
   for shape, backward in cases:
@@ -237,6 +237,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  parser.add_argument("--no-xla", action="store_true", help="leave out jax.nn's xla engine")
   parser.add_argument("--no-loop", action="store_true",
                       help="skip the 10-calls-in-one-jit timing")
   args = parser.parse_args()
@@ -249,7 +250,7 @@ def main():
     print(cudnn_jax.explain("sdpa", probe, probe, probe, implementation="cudnn"))
   print(HEADER)
   start = time.perf_counter()
-  rows, baseline = run(args.quick, on_gpu, not args.no_loop)
+  rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla)
   elapsed = time.perf_counter() - start
   os.makedirs(args.out, exist_ok=True)
   meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),

@@ -293,7 +293,22 @@ def _supports_cudnn(call: SdpaCall) -> str | None:
     return "sinks: not served by the cudnn engine yet"
   if call.dropout_rate > 0:
     return "dropout_rate > 0: not served by the cudnn engine yet"
-  return _cudnn_check(call, backward=False)
+  return _cudnn_check(_cudnn_view(call)[0], backward=False)
+
+
+def _cudnn_view(call: SdpaCall):
+  """(call cuDNN sees, leading query rows left out).
+
+  Bottom-right causal attention with T > S leaves the first T - S query rows without keys;
+  cuDNN refuses max_s_q > max_s_kv there, so those rows are cut off and written as 0.
+  """
+  skip = call.t - call.s
+  if (call.is_causal and call.bottom_right and skip > 0 and not call.has_q_lengths
+      and not call.has_kv_lengths):
+    rows = lambda shape: None if shape is None else shape[:2] + (min(shape[2], call.s),) + shape[3:]
+    return dataclasses.replace(call, t=call.s, bias_shape=rows(call.bias_shape),
+                               mask_shape=rows(call.mask_shape)), skip
+  return call, 0
 
 
 def _row_valid(call: SdpaCall, x: SdpaInputs, keep_any=None):
@@ -334,6 +349,18 @@ def _row_valid(call: SdpaCall, x: SdpaInputs, keep_any=None):
 
 
 def _run_cudnn(call: SdpaCall, x: SdpaInputs):
+  call, skip = _cudnn_view(call)
+  if skip:
+    cut = lambda a: a if a is None or a.shape[2] == 1 else a[:, :, skip:]
+    x = x._replace(query=x.query[:, skip:], bias=cut(x.bias), mask=cut(x.mask))
+  out, lse = _run_cudnn_rows(call, x)
+  if skip:
+    out = jnp.pad(out, ((0, 0), (skip, 0), (0, 0), (0, 0)))
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (skip, 0)), constant_values=-jnp.inf)
+  return out, lse
+
+
+def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
   bias_shape = _cudnn_bias_shape(call)
   bias = None

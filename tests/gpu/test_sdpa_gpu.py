@@ -262,6 +262,8 @@ def test_random_sweep(capsys):
       record.update(status="failed" if res.problems else "ok", errors=res.errors,
                     problems=res.problems)
     records.append(record)
+    with capsys.disabled():  # progress, so a run cut short still reports what it did
+      print(json.dumps(record, default=str), flush=True)
     jax.clear_caches()  # hundreds of distinct shapes: keep compiled executables bounded
 
   summary = _summary(records)
