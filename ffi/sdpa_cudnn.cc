@@ -448,17 +448,27 @@ ffi::Error prepare(const SdpaConfig& c, cudaStream_t stream, std::shared_ptr<Cac
 
 // ---- handlers ----------------------------------------------------------------------
 
+// The handler attributes as a configuration; shapes are filled in from the buffers.
+SdpaConfig from_attributes(bool backward, float scale, bool causal, bool bottom_right,
+                           int32_t window_left, int32_t window_right, float softcap,
+                           bool has_bias, bool has_padding, bool has_dbias) {
+  SdpaConfig c;
+  c.backward = backward;
+  c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
+  c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
+  c.has_bias = has_bias, c.has_padding = has_padding, c.has_dbias = has_dbias;
+  return c;
+}
+
+
 ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs rest,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
                     bool causal, bool bottom_right, int32_t window_left, int32_t window_right,
                     float softcap, bool has_bias, bool has_padding) {
   return guarded("sdpa_fwd", [&]() -> ffi::Error {
-    SdpaConfig c;
-    c.backward = false;
-    c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
-    c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
-    c.has_bias = has_bias, c.has_padding = has_padding;
+    SdpaConfig c = from_attributes(false, scale, causal, bottom_right, window_left,
+                                   window_right, softcap, has_bias, has_padding, false);
 
     Optionals opt;
     std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
@@ -491,11 +501,8 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     int32_t window_left, int32_t window_right, float softcap, bool has_bias,
                     bool has_padding, bool has_dbias) {
   return guarded("sdpa_bwd", [&]() -> ffi::Error {
-    SdpaConfig c;
-    c.backward = true;
-    c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
-    c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
-    c.has_bias = has_bias, c.has_padding = has_padding, c.has_dbias = has_dbias;
+    SdpaConfig c = from_attributes(true, scale, causal, bottom_right, window_left,
+                                   window_right, softcap, has_bias, has_padding, has_dbias);
 
     Optionals opt;
     std::optional<ffi::AnyBuffer> dbias;
