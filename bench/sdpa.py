@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
+from harness import rel_diff, time_calls
 
 WARMUP = 3
 CALLS = 20
@@ -102,17 +102,6 @@ def make_fns(attn, causal, backward):
   return jax.jit(step), jax.jit(loop)
 
 
-def time_calls(fn, args, calls, warmup=WARMUP):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def inputs(shape, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(keys[0], (shape.b, shape.t, shape.n, shape.h), dtype)
@@ -120,11 +109,6 @@ def inputs(shape, dtype, seed=0):
   v = jax.random.normal(keys[2], (shape.b, shape.s, shape.k, shape.h), dtype)
   dout = jax.random.normal(keys[3], q.shape, dtype)
   return jax.block_until_ready((q, k, v, dout))
-
-
-def rel_diff(a, b):
-  a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def measure(name, attn, shape, dtype, backward, use_loop, args):

@@ -58,3 +58,22 @@ def one_of(name, value, choices):
   if value not in choices:
     raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
   return value
+
+
+def same_dtype(names, *arrays):
+  """All ``arrays`` share one dtype; ``names`` is how the message refers to them."""
+  dtypes = [jnp.dtype(x.dtype) for x in arrays]
+  if len(set(dtypes)) > 1:
+    raise TypeError(f"{names}: expected one dtype, got {', '.join(d.name for d in dtypes)}")
+
+
+def dtype_arg(name, value, allowed):
+  """A static dtype argument (``out_dtype``): one of ``allowed``, returned as a jnp.dtype."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{name}: expected a dtype, got {value!r}") from None
+  if dtype not in [jnp.dtype(d) for d in allowed]:
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    raise TypeError(f"{name}: expected one of ({names}), got {dtype.name}")
+  return dtype

@@ -1,0 +1,28 @@
+"""Timing and comparison helpers shared by the benchmarks in this folder."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_calls(fn, args, calls=20, warmup=3):
+  """Median wall seconds of ``fn(*args)``, each call waited for, after ``warmup`` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def rel_diff(a, b):
+  """||a - b|| / ||b|| in float64."""
+  a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -1,0 +1,180 @@
+"""Benchmark of cudnn_jax.kda (xla engine) against FLA's chunk_kda when it is installed.
+
+    python bench/kda.py [--out DIR] [--quick]
+
+On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
+l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
+beta), median ms of single jitted calls. When ``torch`` and ``fla`` import (``from
+fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (CUDA
+tensors, torch.cuda.Event timing) and its outputs are compared with ours.
+
+With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
+Writes DIR/kda.json (DIR defaults to bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cudnn_jax
+from harness import rel_diff, time_calls
+
+WARMUP = 3
+CALLS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  b: int
+  t: int
+  h: int
+  k: int
+  v: int
+
+
+def inputs(shape, seed=0):
+  """q, k, v, beta bfloat16; g float32 log decays; do (output cotangent) bfloat16."""
+  keys = jax.random.split(jax.random.key(seed), 6)
+  b, t, h = shape.b, shape.t, shape.h
+  normal = lambda key, *dims: jax.random.normal(key, (b, t, h) + dims, jnp.float32)
+  q, k = normal(keys[0], shape.k), normal(keys[1], shape.k)
+  v, do = normal(keys[2], shape.v), normal(keys[5], shape.v)
+  g = jax.nn.log_sigmoid(normal(keys[3], shape.k)) / 8  # decays mostly in (0.9, 1)
+  beta = jax.nn.sigmoid(normal(keys[4]))
+  bf16 = lambda x: x.astype(jnp.bfloat16)
+  return jax.block_until_ready(dict(q=bf16(q), k=bf16(k), v=bf16(v), g=g, beta=bf16(beta),
+                                    do=bf16(do)))
+
+
+def ours(x, backward):
+  """(ms, forward output) for cudnn_jax.kda on the xla engine."""
+  attn = lambda q, k, v, g, beta: cudnn_jax.kda(
+      q, k, v, g, beta, use_qk_l2norm_in_kernel=True, implementation="xla")[0]
+  args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+  if backward:
+    loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * x["do"].astype(jnp.float32))
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return 1e3 * time_calls(fn, args, CALLS, WARMUP), None
+  fn = jax.jit(attn)
+  return 1e3 * time_calls(fn, args, CALLS, WARMUP), fn(*args)
+
+
+def load_fla():
+  """(torch, chunk_kda), or (None, reason) when either is missing or there is no CUDA."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"FLA not importable ({type(e).__name__}: {e})"
+  if not torch.cuda.is_available():
+    return None, "torch has no CUDA device"
+  return torch, chunk_kda
+
+
+def fla(torch, chunk_kda, x, backward):
+  """(ms, forward output as NumPy) for FLA's chunk_kda on the same inputs."""
+  t = {n: torch.from_numpy(np.asarray(a, np.float32)).cuda() for n, a in x.items()}
+  for n in ("q", "k", "v", "beta", "do"):
+    t[n] = t[n].to(torch.bfloat16)
+  args = [t[n].requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
+
+  def step():
+    o, _ = chunk_kda(*args, use_qk_l2norm_in_kernel=True)
+    if backward:
+      torch.autograd.grad(o, args, t["do"])
+    return o
+
+  for _ in range(WARMUP):
+    step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(CALLS):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end))
+  out = None if backward else step().detach().float().cpu().numpy()
+  return statistics.median(times), out
+
+
+def run(shapes, anchor):
+  rows = []
+  for shape in shapes:
+    x = inputs(shape)
+    for backward in (False, True):
+      row = dict(dataclasses.asdict(shape), backward=backward)
+      try:
+        row["ms"], out = ours(x, backward)
+      except Exception as e:  # pylint: disable=broad-except
+        row["error"], out = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", None
+      if anchor[0] is not None:
+        try:
+          row["fla_ms"], fla_out = fla(*anchor, x, backward)
+          if row.get("ms"):
+            row["fla_speedup"] = row["ms"] / row["fla_ms"]  # > 1: FLA is faster
+          if out is not None:
+            row["rel_diff_vs_fla"] = rel_diff(out, fla_out)
+        except Exception as e:  # pylint: disable=broad-except
+          row["fla_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      print_row(row)
+      rows.append(row)
+    del x
+  return rows
+
+
+HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'cudnn_jax ms':>13} "
+          f"{'FLA ms':>9} {'ratio':>6} {'rel diff':>9}")
+
+
+def print_row(r):
+  f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
+  pass_ = "fwd+bwd" if r["backward"] else "fwd"
+  line = (f"{r['b']:>3} {r['t']:>6} {r['h']:>3} {r['k']:>4} {r['v']:>4} {pass_:>8} "
+          f"{f('ms', '.3f'):>13} {f('fla_ms', '.3f'):>9} {f('fla_speedup', '.2f'):>6} "
+          f"{f('rel_diff_vs_fla', '.1e'):>9}")
+  note = r.get("error") or r.get("fla_error")
+  print(line + (f"  ({note})" if note else ""), flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
+  args = parser.parse_args()
+  if args.quick:
+    shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
+    anchor = (None, "--quick")
+  else:
+    shapes = [Shape(b=8, t=4096, h=16, k=128, v=128), Shape(b=2, t=16384, h=16, k=128, v=128)]
+    anchor = load_fla()
+  if anchor[0] is None:
+    print(f"FLA column left out: {anchor[1]}")
+  print("ratio = cudnn_jax ms / FLA ms (> 1: FLA is faster)")
+  print(HEADER)
+  start = time.perf_counter()
+  rows = run(shapes, anchor)
+  elapsed = time.perf_counter() - start
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+              jax=jax.__version__, quick=args.quick, seconds=elapsed, warmup=WARMUP,
+              calls=CALLS, fla=anchor[0] is not None or anchor[1])
+  path = os.path.join(args.out, "kda.json")
+  with open(path, "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  print(f"{elapsed:.0f} s; wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,201 @@
+"""Benchmark of cudnn_jax.grouped_gemm, gemm (+SwiGLU) and moe_mlp against plain XLA.
+
+    python bench/moe.py [--out DIR] [--quick]
+
+On a GPU, bfloat16:
+- grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
+  Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine), jax.lax.ragged_dot,
+  and a dense matmul of the same FLOPs (2*m*k*n);
+- GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") against XLA's two dots
+  and the gating; effective FLOPs 2*m*k*2n;
+- moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), against the same
+  layer written with jax.lax.ragged_dot; FLOPs 3 * 6*T*k*D*F.
+Each row: the median wall time of 20 jitted calls (block_until_ready around each) after
+warm-up, and TFLOP/s. With --quick: tiny shapes (float32 on CPU), a smoke test.
+Writes DIR/moe.json (DIR defaults to bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cudnn_jax
+from harness import rel_diff, time_calls
+from cudnn_jax.gemm import gemm, grouped_gemm
+from cudnn_jax.moe import moe_mlp
+
+WARMUP = 3
+CALLS = 20
+
+
+def normal(key, shape, dtype, scale=1.0):
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def measure(case, engines, args, flops, forward=True, compare=None):
+  """Rows for one case: each engine's ms and TFLOP/s, and (forward) the difference of the
+  outputs of ``compare`` (default: all engines) from the first engine's."""
+  rows, first = [], None
+  for name, fn in engines.items():
+    row = dict(case=case, engine=name)
+    fn = jax.jit(fn)
+    try:
+      row["ms"] = 1e3 * time_calls(fn, args, CALLS, WARMUP)
+      row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+      if forward and (compare is None or name in compare):
+        out = fn(*args)
+        if first is None:
+          first = out
+        else:
+          row["rel_diff_vs_first"] = rel_diff(out, first)
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print_row(row)
+    rows.append(row)
+  return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Cases.
+
+
+def group_sizes(m, g, split, seed=0):
+  """[g] int32 summing to m: equal, or drawn from a flat Dirichlet."""
+  if split == "equal":
+    sizes = np.full(g, m // g)
+  else:
+    p = np.random.default_rng(seed).dirichlet(np.ones(g))
+    sizes = np.floor(p * m).astype(np.int64)
+  sizes[-1] += m - sizes.sum()
+  return jnp.asarray(sizes, jnp.int32)
+
+
+def grouped_cases(shapes, dtype):
+  rows = []
+  for m, k, n, g in shapes:
+    keys = jax.random.split(jax.random.key(m + g), 3)
+    lhs, rhs = normal(keys[0], (m, k), dtype), normal(keys[1], (g, k, n), dtype, k**-0.5)
+    dense_rhs = rhs[0]
+    for split in ("equal", "dirichlet"):
+      sizes = group_sizes(m, g, split)
+      engines = {
+          "cudnn_jax.grouped_gemm": lambda l, r, s, d: grouped_gemm(l, r, s),
+          "lax.ragged_dot": lambda l, r, s, d: jax.lax.ragged_dot(l, r, s),
+          "dense matmul": lambda l, r, s, d: l @ d,
+      }
+      case = f"grouped m{m} k{k} n{n} g{g} {split}"
+      rows += measure(case, engines, (lhs, rhs, sizes, dense_rhs), 2.0 * m * k * n,
+                      compare=list(engines)[:2])
+  return rows
+
+
+def swiglu_case(m, n, k, dtype):
+  keys = jax.random.split(jax.random.key(1), 2)
+  a, b = normal(keys[0], (m, k), dtype), normal(keys[1], (k, 2 * n), dtype, k**-0.5)
+
+  def two_dots(a, b):
+    gate, up = a @ b[:, :n], a @ b[:, n:]
+    return jax.nn.silu(gate) * up
+
+  engines = {"cudnn_jax.gemm swiglu": lambda a, b: gemm(a, b, glu="swiglu"),
+             "xla two dots": two_dots}
+  return measure(f"gemm+swiglu m{m} n{n} k{k}", engines, (a, b), 2.0 * m * k * 2 * n)
+
+
+def ragged_dot_moe(x, expert_indices, expert_weights, w_up, w_down):
+  """The same layer as moe_mlp (SwiGLU), written directly with jax.lax.ragged_dot."""
+  t, k = expert_indices.shape
+  flat = expert_indices.reshape(-1)
+  order = jnp.argsort(flat)
+  sizes = jnp.bincount(flat, length=w_up.shape[0]).astype(jnp.int32)
+  h = jax.lax.ragged_dot(x[order // k], w_up, sizes)
+  gate, up = jnp.split(h, 2, axis=-1)
+  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+  y = y[jnp.argsort(order)].reshape(t, k, -1)
+  return jnp.einsum("tkd,tk->td", y, expert_weights.astype(y.dtype))
+
+
+def moe_case(t, d, f, e, top_k, dtype):
+  keys = jax.random.split(jax.random.key(2), 5)
+  x = normal(keys[0], (t, d), dtype)
+  logits = jax.random.normal(keys[1], (t, e))
+  weights, idx = jax.lax.top_k(jax.nn.softmax(logits), top_k)
+  w_up = normal(keys[2], (e, d, 2 * f), dtype, d**-0.5)
+  w_down = normal(keys[3], (e, f, d), dtype, f**-0.5)
+  dy = normal(keys[4], (t, d), dtype)
+  weights = weights.astype(dtype)
+
+  def fwd_bwd(layer):
+    def step(x, idx, weights, w_up, w_down, dy):
+      loss = lambda x, w, u, dn: jnp.vdot(layer(x, idx, w, u, dn).astype(jnp.float32),
+                                          dy.astype(jnp.float32))
+      return jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_up, w_down)
+    return step
+
+  engines = {"cudnn_jax.moe_mlp": fwd_bwd(moe_mlp),
+             "lax.ragged_dot layer": fwd_bwd(ragged_dot_moe)}
+  flops = 3 * 6.0 * t * top_k * d * f
+  return measure(f"moe_mlp fwd+bwd T{t} D{d} F{f} E{e} top{top_k}", engines,
+                 (x, idx.astype(jnp.int32), weights, w_up, w_down, dy), flops, forward=False)
+
+
+def run(quick, dtype):
+  if quick:
+    grouped = [(256, 64, 32, 4), (512, 32, 48, 16)]
+    swiglu, moe = (128, 64, 64), (128, 64, 32, 8, 2)
+  else:
+    grouped = [(32768, 4096, 2048, 8), (65536, 2048, 1408, 64)]
+    swiglu, moe = (16384, 4096, 4096), (16384, 4096, 2048, 64, 4)
+  rows = grouped_cases(grouped, dtype)
+  rows += swiglu_case(*swiglu, dtype)
+  rows += moe_case(*moe, dtype)
+  return rows
+
+
+HEADER = f"{'case':<44} {'engine':<24} {'ms':>9} {'TFLOP/s':>8} {'rel diff':>9}"
+
+
+def print_row(r):
+  f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
+  line = (f"{r['case']:<44} {r['engine']:<24} {f('ms', '.3f'):>9} {f('tflops', '.3g'):>8} "
+          f"{f('rel_diff_vs_first', '.1e'):>9}")
+  print(line + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  args = parser.parse_args()
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not args.quick:
+    parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
+                 "use --quick for a smoke test")
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  probe = jax.ShapeDtypeStruct((128, 64), dtype)
+  print(cudnn_jax.explain("grouped_gemm", probe, jax.ShapeDtypeStruct((2, 64, 64), dtype),
+                          jax.ShapeDtypeStruct((2,), jnp.int32)))
+  print(HEADER)
+  start = time.perf_counter()
+  rows = run(args.quick, dtype)
+  elapsed = time.perf_counter() - start
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+              jax=jax.__version__, quick=args.quick, dtype=jnp.dtype(dtype).name,
+              seconds=elapsed, warmup=WARMUP, calls=CALLS)
+  path = os.path.join(args.out, "moe.json")
+  with open(path, "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  print(f"{elapsed:.0f} s; wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

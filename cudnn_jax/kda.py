@@ -1,0 +1,217 @@
+"""Kimi Delta Attention and Gated DeltaNet: ``cudnn_jax.kda`` and ``cudnn_jax.gdn``.
+
+Argument names follow FLA's ``chunk_kda``. Both ops are linear attention with a delta-rule
+state update and a decay gate: per channel (``kda``, ``g [B,T,HV,K]``) or per head
+(``gdn``, ``g [B,T,HV]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cudnn_jax import _checks, engines
+
+CHUNK_SIZES = (32, 64)
+
+
+class KdaInputs(NamedTuple):
+  """The array arguments, validated; absent ones are None."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array  # [B,T,HV,K], or [B,T,HV,1] for the scalar gate
+  beta: jax.Array
+  initial_state: jax.Array | None = None
+  a_log: jax.Array | None = None
+  dt_bias: jax.Array | None = None
+  cu_seqlens: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaCall:
+  """Everything static about one call: what engines decide on."""
+  op: str  # "kda" or "gdn"
+  b: int
+  t: int
+  h: int
+  hv: int
+  k: int
+  v: int
+  n: int  # sequences: B, or len(cu_seqlens) - 1
+  dtype: str
+  scale: float
+  has_initial_state: bool = False
+  output_final_state: bool = False
+  qk_l2norm: bool = False
+  gate_in_kernel: bool = False
+  has_a_log: bool = False
+  has_dt_bias: bool = False
+  lower_bound: float | None = None
+  beta_sigmoid: bool = False
+  allow_neg_eigval: bool = False
+  varlen: bool = False
+  chunk_size: int = 64
+
+
+def _float32(name, x, shape):
+  _checks.shape_of(name, x)
+  _checks.float_dtype(name, x, (jnp.float32,))
+  _checks.expect_shape(name, x, shape)
+
+
+def _flag(name, value):
+  if not isinstance(value, bool):
+    raise TypeError(f"{name}: expected a bool, got {value!r}")
+  return value
+
+
+def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
+             output_final_state=False, use_qk_l2norm_in_kernel=False,
+             use_gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
+             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cu_seqlens=None,
+             chunk_size=64, implementation=None):
+  """Validates the user's arguments into (KdaCall, KdaInputs)."""
+  del implementation
+  scalar_gate = op == "gdn"
+  _checks.shape_of("q", q, 4)
+  _checks.shape_of("k", k, 4)
+  _checks.shape_of("v", v, 4)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _checks.float_dtype(name, x)
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  b, t, h, kdim = q.shape
+  _checks.expect_shape("k", k, q.shape)
+  hv, vdim = v.shape[2], v.shape[3]
+  if v.shape[:2] != (b, t):
+    raise ValueError(f"v: expected [B,T,HV,V] with B={b}, T={t}, got {tuple(v.shape)}")
+  if hv % h:
+    raise ValueError(f"v: value heads HV={hv} must be a multiple of q/k heads H={h}")
+  _checks.shape_of("g", g)
+  _checks.float_dtype("g", g)
+  _checks.expect_shape("g", g, (b, t, hv) if scalar_gate else (b, t, hv, kdim))
+  _checks.shape_of("beta", beta)
+  _checks.float_dtype("beta", beta)
+  _checks.expect_shape("beta", beta, (b, t, hv))
+
+  n = b
+  if cu_seqlens is not None:
+    _checks.shape_of("cu_seqlens", cu_seqlens, 1)
+    _checks.int_dtype("cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] < 2:
+      raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if b != 1:
+      raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B={b}")
+    n = cu_seqlens.shape[0] - 1
+  if initial_state is not None:
+    _float32("initial_state", initial_state, (n, hv, kdim, vdim))
+
+  _flag("use_gate_in_kernel", use_gate_in_kernel)
+  for name, x in (("a_log", a_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+    if x is not None and not use_gate_in_kernel:
+      raise ValueError(f"{name}: only used with use_gate_in_kernel=True")
+  if a_log is not None:
+    _float32("a_log", a_log, (hv,))
+  if dt_bias is not None:
+    _float32("dt_bias", dt_bias, (hv,) if scalar_gate else (hv * kdim,))
+  if lower_bound is not None:
+    if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+      raise TypeError(f"lower_bound: expected a Python float or None, got {lower_bound!r}")
+    if not -5.0 <= lower_bound < 0.0:
+      raise ValueError(f"lower_bound: expected a value in [-5, 0), got {lower_bound}")
+    lower_bound = float(lower_bound)
+  elif use_gate_in_kernel and a_log is None:
+    raise ValueError("a_log: required with use_gate_in_kernel=True (unless lower_bound is set)")
+  _flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+  if _flag("allow_neg_eigval", allow_neg_eigval) and not use_beta_sigmoid_in_kernel:
+    raise ValueError("allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True")
+
+  if scale is None:
+    scale = kdim ** -0.5
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+  _checks.one_of("chunk_size", chunk_size, CHUNK_SIZES)
+
+  call = KdaCall(
+      op=op, b=b, t=t, h=h, hv=hv, k=kdim, v=vdim, n=n, dtype=jnp.dtype(q.dtype).name,
+      scale=float(scale), has_initial_state=initial_state is not None,
+      output_final_state=_flag("output_final_state", output_final_state),
+      qk_l2norm=_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+      gate_in_kernel=use_gate_in_kernel, has_a_log=a_log is not None,
+      has_dt_bias=dt_bias is not None, lower_bound=lower_bound,
+      beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+      varlen=cu_seqlens is not None, chunk_size=int(chunk_size))
+  if scalar_gate:
+    g = g[..., None]
+  inputs = KdaInputs(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
+  return call, inputs
+
+
+def _apply(op, q, k, v, g, beta, kwargs):
+  implementation = kwargs.get("implementation")
+  call, inputs = _prepare(q, k, v, g, beta, op=op, **kwargs)
+  o, final_state = engines.dispatch(op, implementation, call, inputs)
+  return o, (final_state if call.output_final_state else None)
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
+        lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+        cu_seqlens=None, chunk_size=64, implementation=None):
+  """Kimi Delta Attention (chunked; argument names as in FLA's ``chunk_kda``).
+
+  ``q, k [B,T,H,K]``, ``v [B,T,HV,V]`` with ``HV % H == 0`` (value head h reads q/k head
+  ``h // (HV // H)``), ``g [B,T,HV,K]`` log-space per-channel decay, ``beta [B,T,HV]``.
+  Per sequence and value head, with a float32 state ``S [K,V]``::
+
+      S <- diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
+
+  ``scale`` defaults to ``K**-0.5``. Preprocessing: ``use_qk_l2norm_in_kernel`` normalizes
+  q and k (``x / sqrt(sum x^2 + 1e-6)``); ``use_beta_sigmoid_in_kernel`` takes
+  ``beta <- sigmoid(beta)`` (``2 sigmoid(beta)`` with ``allow_neg_eigval``);
+  ``use_gate_in_kernel`` takes a raw g: ``g <- -exp(a_log)[h] softplus(g + dt_bias[h,k])``
+  (``a_log [HV]``, optional ``dt_bias [HV*K]``, both float32), or with ``lower_bound`` lb in
+  [-5, 0): ``g <- lb sigmoid(exp(a_log)[h] (g + dt_bias))`` (a_log optional there).
+
+  ``initial_state [N,HV,K,V]`` float32 (zeros when None). ``cu_seqlens [N+1]`` int32 packs
+  N sequences along T (B must be 1); each starts from its own initial state, and a
+  zero-length one returns its initial state. ``chunk_size`` (32 or 64) only tunes speed.
+
+  Returns ``(o [B,T,HV,V]`` in q's dtype, ``final_state [N,HV,K,V]`` float32 or None unless
+  ``output_final_state``). Differentiable in q, k, v, g, beta, initial_state, a_log,
+  dt_bias. ``implementation``: None, "xla", or a sequence, as for ``cudnn_jax.sdpa``.
+  """
+  kwargs = {k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v", "g", "beta")}
+  return _apply("kda", q, k, v, g, beta, kwargs)
+
+
+def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
+        lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+        cu_seqlens=None, chunk_size=64, implementation=None):
+  """Gated DeltaNet: ``cudnn_jax.kda`` with a scalar gate per head.
+
+  ``g [B,T,HV]`` (``diag(exp(g_t))`` becomes ``exp(g_t) I``) and ``dt_bias [HV]``; every
+  other argument and the result are as in ``cudnn_jax.kda``.
+  """
+  kwargs = {k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v", "g", "beta")}
+  return _apply("gdn", q, k, v, g, beta, kwargs)
+
+
+def _run_xla(call: KdaCall, x: KdaInputs):
+  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
+  return ref.kda(
+      x.q, x.k, x.v, x.g, x.beta, scale=call.scale, initial_state=x.initial_state,
+      qk_l2norm=call.qk_l2norm, gate_in_kernel=call.gate_in_kernel, a_log=x.a_log,
+      dt_bias=x.dt_bias, lower_bound=call.lower_bound, beta_sigmoid=call.beta_sigmoid,
+      allow_neg_eigval=call.allow_neg_eigval, cu_seqlens=x.cu_seqlens,
+      chunk_size=call.chunk_size)
+
+
+for _op in ("kda", "gdn"):
+  engines.register_op(_op, lambda *a, _op=_op, **kw: _prepare(*a, op=_op, **kw)[0])
+  engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)

@@ -1,0 +1,126 @@
+"""Mixture-of-experts MLP: ``cudnn_jax.moe_mlp``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cudnn_jax import _checks, engines, epilogue
+
+
+class MoeInputs(NamedTuple):
+  x: jax.Array  # [T, D]
+  expert_indices: jax.Array  # [T, k] int32
+  expert_weights: jax.Array  # [T, k]
+  w_up: jax.Array  # [E, D, C], C = 2F with glu, else F
+  w_down: jax.Array  # [E, F, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCall:
+  """Everything static about one moe_mlp call."""
+  tokens: int
+  top_k: int
+  d: int
+  f: int
+  experts: int
+  dtype: str
+  weights_dtype: str
+  glu: str | None = "swiglu"
+  activation: str | None = None
+
+
+def _prepare(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
+             activation=None, implementation=None):
+  """Validates the user's arguments into (MoeCall, MoeInputs)."""
+  del implementation
+  t, d = _checks.shape_of("x", x, 2)
+  _checks.float_dtype("x", x)
+  _checks.shape_of("expert_indices", expert_indices, 2)
+  _checks.int_dtype("expert_indices", expert_indices)
+  if expert_indices.shape[0] != t:
+    raise ValueError(f"expert_indices: expected [T, k] with T={t} (x's tokens), got shape "
+                     f"{expert_indices.shape}")
+  k = expert_indices.shape[1]
+  _checks.shape_of("expert_weights", expert_weights)
+  _checks.float_dtype("expert_weights", expert_weights)
+  _checks.expect_shape("expert_weights", expert_weights, (t, k))
+  epilogue.check(activation, glu)
+  for name, w in (("w_up", w_up), ("w_down", w_down)):
+    _checks.shape_of(name, w, 3)
+    _checks.float_dtype(name, w)
+    _checks.same_dtype(f"x, {name}", x, w)
+  e, up_d, columns = w_up.shape
+  if e < 1 or up_d != d:
+    raise ValueError(f"w_up: expected [E, D, {'2F' if glu else 'F'}] with E >= 1 and "
+                     f"D={d} (x's last dim), got shape {w_up.shape}")
+  f = epilogue.out_columns("w_up", columns, glu)
+  _checks.expect_shape("w_down", w_down, (e, f, d))
+  call = MoeCall(tokens=t, top_k=k, d=d, f=f, experts=e, dtype=jnp.dtype(x.dtype).name,
+                 weights_dtype=jnp.dtype(expert_weights.dtype).name, glu=glu,
+                 activation=activation)
+  inputs = MoeInputs(x, expert_indices.astype(jnp.int32), expert_weights, w_up, w_down)
+  return call, inputs
+
+
+def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
+            activation=None, implementation=None):
+  """Dropless mixture-of-experts MLP.
+
+  ``x [T, D]``, ``expert_indices [T, k]`` int32 in ``[0, E)``, ``expert_weights [T, k]``,
+  ``w_up [E, D, 2F]`` (``[E, D, F]`` when ``glu`` is None), ``w_down [E, F, D]``:
+  ``y_t = sum_j expert_weights[t,j] * (epi(x_t @ w_up[e]) @ w_down[e])``,
+  ``e = expert_indices[t,j]``, where ``epi`` is the ``glu`` ("swiglu", "geglu", "reglu";
+  ``activation`` must then be None) or, with ``glu=None``, ``activation`` (see
+  ``cudnn_jax.gemm``). An out-of-range expert index contributes 0 (nothing is read or
+  written out of bounds). Every token is served (no capacity limit).
+
+  Routing (a stable sort of the pairs by expert), both grouped GEMMs and the weighted
+  combine run inside this one function, so it jits whole. Returns ``y [T, D]`` in x's
+  dtype. Differentiable in x, expert_weights, w_up, w_down.
+  """
+  call, inputs = _prepare(x, expert_indices, expert_weights, w_up, w_down, glu=glu,
+                          activation=activation)
+  run = lambda call, inputs: engines.dispatch("moe_mlp", implementation, call, inputs)
+  axes = _token_axes(x)
+  return run(call, inputs) if axes is None else _per_token_shard(run, call, inputs, axes)
+
+
+def _token_axes(x):
+  """The mesh axes that shard x's tokens explicitly (``AxisType.Explicit``), else None.
+
+  Under automatic sharding the partitioner places the routing itself (gathering tokens
+  where the sort needs them); explicitly sharded tokens are run shard by shard instead.
+  """
+  spec = jax.typeof(x).sharding.spec
+  return spec[0] if spec and spec[0] is not None else None
+
+
+def _per_token_shard(run, call, inputs, axes):
+  """Runs ``run`` on each token shard with the whole expert weights: tokens are
+  independent, so the forward needs no communication, and y keeps x's token sharding."""
+  mesh = jax.typeof(inputs.x).sharding.mesh
+  size = mesh.shape[axes] if isinstance(axes, str) else math.prod(mesh.shape[a] for a in axes)
+  local = dataclasses.replace(call, tokens=call.tokens // size)
+  tokens, whole = P(axes), P()
+  specs = MoeInputs(tokens, tokens, tokens, whole, whole)
+  # check_vma=False: the grouped product's custom_vjp does not track which values vary
+  # across shards; unchecked, shard_map's transpose sums the weights' cotangents over the
+  # token shards, which is exactly their gradient.
+  shard_fn = jax.shard_map(lambda *a: run(local, MoeInputs(*a)), mesh=mesh,
+                           in_specs=tuple(specs), out_specs=tokens, check_vma=False)
+  return shard_fn(*inputs)
+
+
+def _run_xla(call: MoeCall, x: MoeInputs):
+  from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
+  return ref.moe_mlp(*x, glu=call.glu, activation=call.activation)
+
+
+engines.register_op("moe_mlp", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_xla)

@@ -1,0 +1,365 @@
+"""cudnn_jax.kda / cudnn_jax.gdn on the "xla" engine (CPU) against the float64 recurrence."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import cudnn_jax
+from kda_oracle import oracle
+
+DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "a_log", "dt_bias")
+TOL = {"float32": dict(rtol=2e-4, atol=2e-4), "bfloat16": dict(rtol=3e-2, atol=3e-2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  op: str = "kda"
+  b: int = 2
+  t: int = 40
+  h: int = 2
+  hv: int = 2
+  k: int = 8
+  v: int = 16
+  dtype: str = "float32"
+  scale: float | None = None
+  initial_state: bool = False
+  l2norm: bool = False
+  gate: str | None = None  # None (g is the log decay), "softplus", "lower_bound"
+  a_log: bool = True  # with gate="lower_bound", a_log may be left out
+  dt_bias: bool = False
+  lower_bound: float = -5.0
+  beta_sigmoid: bool = False
+  neg_eig: bool = False
+  cu_seqlens: tuple | None = None  # then b is 1 and t is cu_seqlens[-1]
+  chunk_size: int = 64
+
+
+def make_case(cfg: Config, seed=0):
+  """(arrays, kwargs): the op's arguments, NumPy arrays for every array argument."""
+  rng = np.random.default_rng(seed)
+  b, t = (1, cfg.cu_seqlens[-1]) if cfg.cu_seqlens else (cfg.b, cfg.t)
+  n = len(cfg.cu_seqlens) - 1 if cfg.cu_seqlens else b
+  f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, k = f32(b, t, cfg.h, cfg.k), f32(b, t, cfg.h, cfg.k)
+  if not cfg.l2norm:  # unit keys keep the delta rule contractive
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  g_shape = (b, t, cfg.hv) + (() if cfg.op == "gdn" else (cfg.k,))
+  g = (f32(*g_shape) if cfg.gate
+       else -rng.uniform(0.02, 0.6, g_shape).astype(np.float32))
+  beta = (f32(b, t, cfg.hv) if cfg.beta_sigmoid
+          else rng.uniform(0.1, 1.0, (b, t, cfg.hv)).astype(np.float32))
+  arrays = dict(q=q, k=k, v=f32(b, t, cfg.hv, cfg.v), g=g, beta=beta)
+  if cfg.initial_state:
+    arrays["initial_state"] = f32(n, cfg.hv, cfg.k, cfg.v)
+  if cfg.gate and (cfg.a_log or cfg.gate == "softplus"):
+    arrays["a_log"] = (0.5 * f32(cfg.hv)).astype(np.float32)
+  if cfg.gate and cfg.dt_bias:
+    arrays["dt_bias"] = f32(cfg.hv * (1 if cfg.op == "gdn" else cfg.k))
+  kwargs = dict(scale=cfg.scale, output_final_state=True, use_qk_l2norm_in_kernel=cfg.l2norm,
+                use_gate_in_kernel=cfg.gate is not None,
+                lower_bound=cfg.lower_bound if cfg.gate == "lower_bound" else None,
+                use_beta_sigmoid_in_kernel=cfg.beta_sigmoid, allow_neg_eigval=cfg.neg_eig,
+                chunk_size=cfg.chunk_size)
+  if cfg.cu_seqlens:
+    arrays["cu_seqlens"] = np.asarray(cfg.cu_seqlens, np.int32)
+  if cfg.dtype != "float32":
+    for name in ("q", "k", "v"):
+      arrays[name] = jnp.asarray(arrays[name], cfg.dtype)
+  return arrays, kwargs
+
+
+def call_op(op, arrays, kwargs):
+  q, k, v, g, beta = (arrays[n] for n in ("q", "k", "v", "g", "beta"))
+  rest = {n: x for n, x in arrays.items() if n not in ("q", "k", "v", "g", "beta")}
+  return getattr(cudnn_jax, op)(q, k, v, g, beta, implementation="xla", **rest, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(op, kwargs):
+  return jax.jit(lambda arrays: call_op(op, arrays, dict(kwargs)))
+
+
+def run(cfg, arrays, kwargs):
+  """The op on ``arrays`` (a dict of its array arguments), jitted, or traced when inside jit."""
+  return _jitted(cfg.op, tuple(sorted(kwargs.items())))(arrays)
+
+
+def run_oracle(arrays, kwargs):
+  as_f64 = lambda x: np.asarray(x if isinstance(x, np.ndarray) else jnp.asarray(x, jnp.float32),
+                                np.float64)
+  return oracle(**{n: as_f64(x) if n != "cu_seqlens" else x for n, x in arrays.items()},
+                **kwargs)
+
+
+def assert_close(actual, expected, dtype="float32", what=""):
+  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  np.testing.assert_allclose(actual, expected, err_msg=what, **TOL[dtype])
+
+
+# (name, Config) pairs, each exercising one option.
+FORWARD_CASES = [
+    ("plain", Config()),
+    ("partial_chunk", Config(t=75)),
+    ("chunk32", Config(t=75, chunk_size=32)),
+    ("gva", Config(h=1, hv=3)),
+    ("initial_state", Config(initial_state=True)),
+    ("gate_softplus", Config(gate="softplus", dt_bias=True)),
+    ("gate_lower_bound", Config(gate="lower_bound", dt_bias=True, lower_bound=-3.0)),
+    ("gate_lower_bound_no_a_log", Config(gate="lower_bound", a_log=False, dt_bias=True)),
+    ("beta_sigmoid", Config(beta_sigmoid=True)),
+    ("neg_eigval", Config(beta_sigmoid=True, neg_eig=True, l2norm=True)),
+    ("varlen", Config(cu_seqlens=(0, 5, 5, 75, 100, 140), initial_state=True, hv=4, h=2)),
+    ("varlen_empty_first_last", Config(cu_seqlens=(0, 0, 64, 65, 65), initial_state=True)),
+    ("long_lower_bound", Config(b=1, t=150, gate="lower_bound", l2norm=True,
+                                initial_state=True)),
+    ("everything", Config(h=1, hv=2, t=70, scale=0.5, initial_state=True, l2norm=True,
+                          gate="softplus", dt_bias=True, beta_sigmoid=True, neg_eig=True)),
+    ("gdn", Config(op="gdn", initial_state=True, t=75)),
+    ("gdn_gate_no_dt_bias", Config(op="gdn", gate="softplus", hv=4, h=2)),
+    ("gdn_varlen", Config(op="gdn", cu_seqlens=(0, 30, 30, 99), gate="lower_bound",
+                          dt_bias=True, initial_state=True)),
+    ("bf16", Config(dtype="bfloat16", l2norm=True, initial_state=True)),
+]
+
+
+@pytest.mark.parametrize("cfg", [c for _, c in FORWARD_CASES],
+                         ids=[name for name, _ in FORWARD_CASES])
+def test_forward_matches_recurrence(cfg):
+  arrays, kwargs = make_case(cfg)
+  o, final = run(cfg, arrays, kwargs)
+  ref_o, ref_final = run_oracle(arrays, kwargs)
+  assert o.dtype == jnp.dtype(cfg.dtype) and o.shape == ref_o.shape
+  assert final.dtype == jnp.float32 and final.shape == ref_final.shape
+  assert_close(o, ref_o, cfg.dtype, "o")
+  assert_close(final, ref_final, cfg.dtype, "final_state")
+
+
+def test_final_state_only_on_request():
+  arrays, kwargs = make_case(Config())
+  kwargs["output_final_state"] = False
+  _, final = run(Config(), arrays, kwargs)
+  assert final is None
+
+
+def test_chunk_sizes_agree():
+  cfg = Config(t=100, gate="lower_bound", initial_state=True)
+  arrays, kwargs = make_case(cfg)
+  o64, f64 = run(cfg, arrays, kwargs)
+  o32, f32 = run(cfg, arrays, {**kwargs, "chunk_size": 32})
+  np.testing.assert_allclose(o32, o64, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(f32, f64, rtol=2e-5, atol=2e-5)
+
+
+def test_cu_seqlens_matches_separate_runs():
+  cu = (0, 17, 17, 90)
+  cfg = Config(cu_seqlens=cu, initial_state=True, gate="softplus", dt_bias=True)
+  arrays, kwargs = make_case(cfg)
+  o, final = run(cfg, arrays, kwargs)
+  for i in range(len(cu) - 1):
+    lo, hi = cu[i], cu[i + 1]
+    one = {n: (x[:, lo:hi] if n in ("q", "k", "v", "g", "beta") else x)
+           for n, x in arrays.items() if n != "cu_seqlens"}
+    one["initial_state"] = arrays["initial_state"][i:i + 1]
+    oi, fi = run(Config(), one, kwargs)
+    np.testing.assert_allclose(o[:, lo:hi], oi, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(final[i:i + 1], fi, rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(final[1], arrays["initial_state"][1])  # zero-length
+
+
+def test_large_negative_gates_stay_finite():
+  """g near -5 per token: cumulative log decays of -300 within a chunk, no NaN."""
+  cfg = Config(b=1, t=150, gate="lower_bound", initial_state=True)
+  arrays, kwargs = make_case(cfg)
+  arrays["g"] = np.full_like(arrays["g"], 30.0)  # sigmoid ~ 1: g ~ lower_bound everywhere
+  grads = jax.jit(jax.grad(lambda a: jnp.sum(run(cfg, a, kwargs)[0] ** 2)))(arrays)
+  for name in DIFFERENTIABLE:
+    if name in grads:
+      assert np.all(np.isfinite(grads[name])), name
+  o, _ = run(cfg, arrays, kwargs)
+  assert_close(o, run_oracle(arrays, kwargs)[0])
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients: the engine's custom VJP against central differences of the float64
+# recurrence, along random directions, for every differentiable input.
+
+GRAD_CASES = [
+    ("plain", Config(t=40, initial_state=True, hv=4, h=2)),
+    ("gate_softplus", Config(t=40, gate="softplus", dt_bias=True, l2norm=True,
+                             initial_state=True)),
+    ("gate_lower_bound", Config(t=70, gate="lower_bound", dt_bias=True, beta_sigmoid=True,
+                                neg_eig=True, chunk_size=32)),
+    ("varlen", Config(cu_seqlens=(0, 9, 9, 50, 80), initial_state=True, gate="softplus",
+                      dt_bias=True)),
+    ("gdn", Config(op="gdn", t=40, gate="softplus", dt_bias=True, initial_state=True,
+                   l2norm=True, h=1, hv=2)),
+    ("gdn_varlen", Config(op="gdn", cu_seqlens=(0, 20, 20, 70), initial_state=True)),
+]
+
+
+def _loss_weights(arrays, kwargs, seed):
+  o, final = run_oracle(arrays, kwargs)
+  rng = np.random.default_rng(seed + 100)
+  return rng.standard_normal(o.shape), rng.standard_normal(final.shape)
+
+
+@pytest.mark.parametrize("cfg", [c for _, c in GRAD_CASES], ids=[n for n, _ in GRAD_CASES])
+def test_gradients_match_finite_differences(cfg):
+  arrays, kwargs = make_case(cfg)
+  w_o, w_f = _loss_weights(arrays, kwargs, 0)
+  diff = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
+  fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+
+  def loss(d):
+    o, final = run(cfg, {**d, **fixed}, kwargs)
+    return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(final * w_f.astype(np.float32))
+
+  grads = jax.jit(jax.grad(loss))(diff)
+
+  def oracle_loss(d):
+    o, final = run_oracle({**d, **fixed}, kwargs)
+    return np.sum(o * w_o) + np.sum(final * w_f)
+
+  rng = np.random.default_rng(1)
+  eps = 1e-5
+  for name, x in diff.items():
+    x = np.asarray(x, np.float64)
+    direction = rng.standard_normal(x.shape)
+    plus = oracle_loss({**diff, name: x + eps * direction})
+    minus = oracle_loss({**diff, name: x - eps * direction})
+    expected = (plus - minus) / (2 * eps)
+    got = float(np.sum(np.asarray(grads[name], np.float64) * direction))
+    scale = np.linalg.norm(grads[name]) * np.linalg.norm(direction)
+    assert abs(got - expected) <= 2e-4 * abs(expected) + 2e-5 * scale, (name, got, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# Transformations.
+
+
+def test_vmap_of_value_and_grad_matches_loop():
+  cfg = Config(t=20, initial_state=True, gate="softplus")
+  cases = [make_case(cfg, seed)[0] for seed in (0, 1)]
+  kwargs = make_case(cfg)[1]
+  loss = lambda a: sum(jnp.sum(jnp.sin(x)) for x in run(cfg, a, kwargs))
+  fn = jax.value_and_grad(loss)
+  stacked = {n: np.stack([c[n] for c in cases]) for n in cases[0]}
+  values, grads = jax.jit(jax.vmap(fn))(stacked)
+  for i, c in enumerate(cases):
+    value, grad = jax.jit(fn)(c)
+    np.testing.assert_allclose(values[i], value, rtol=1e-5)
+    for name, gi in grad.items():
+      np.testing.assert_allclose(grads[name][i], gi, rtol=1e-4, atol=1e-5)
+
+
+def test_sharded_batch_and_heads_stay_local():
+  """Batch and head sharding: same results, no data movement between devices."""
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.skip("needs the 8-device CPU mesh of conftest.py")
+  mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("b", "h"))
+  cfg = Config(b=4, t=24, h=2, hv=4, initial_state=True, gate="softplus", dt_bias=True)
+  arrays, kwargs = make_case(cfg)
+  tokens = P("b", None, "h")
+  specs = dict(q=tokens, k=tokens, v=tokens, g=tokens, beta=tokens,
+               initial_state=P("b", "h"), a_log=P("h"), dt_bias=P("h"))
+  placed = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
+  fwd = jax.jit(lambda a: run(cfg, a, kwargs))
+  o, final = fwd(placed)
+  ref_o, ref_final = run(cfg, arrays, kwargs)
+  np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, ref_final, rtol=1e-5, atol=1e-5)
+  assert o.sharding.is_equivalent_to(NamedSharding(mesh, tokens), o.ndim)
+  assert final.sharding.is_equivalent_to(NamedSharding(mesh, P("b", "h")), final.ndim)
+  loss = lambda a: sum(jnp.sum(x ** 2) for x in run(cfg, a, kwargs))
+  for fn in (fwd, jax.jit(jax.grad(loss))):  # a_log / dt_bias grads may all-reduce
+    hlo = fn.lower(placed).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute"):
+      assert collective not in hlo, collective
+
+
+# ---------------------------------------------------------------------------------------
+# Argument checks, engine choice.
+
+BAD_INPUTS = [
+    ("q", dict(q=np.zeros((2, 8, 2), np.float32)), ValueError),
+    ("k", dict(k=np.zeros((2, 8, 2, 4), np.float32)), ValueError),
+    ("q, k, v", dict(v=np.zeros((2, 8, 2, 16), np.float16)), TypeError),
+    ("q", dict(q=np.zeros((2, 8, 2, 8), np.int32)), TypeError),
+    ("v", dict(v=np.zeros((2, 8, 3, 16), np.float32)), ValueError),
+    ("v", dict(v=np.zeros((2, 9, 2, 16), np.float32)), ValueError),
+    ("g", dict(g=np.zeros((2, 8, 2), np.float32)), ValueError),
+    ("beta", dict(beta=np.zeros((2, 8, 2, 1), np.float32)), ValueError),
+    ("initial_state", dict(initial_state=np.zeros((2, 2, 8, 16), np.float16)), TypeError),
+    ("initial_state", dict(initial_state=np.zeros((1, 2, 8, 16), np.float32)), ValueError),
+    ("cu_seqlens", dict(cu_seqlens=np.array([0, 4, 8], np.int32)), ValueError),
+    ("cu_seqlens", dict(cu_seqlens=np.array([0.0, 8.0], np.float32)), TypeError),
+    ("a_log", dict(a_log=np.zeros((2,), np.float32)), ValueError),
+    ("a_log", dict(use_gate_in_kernel=True), ValueError),
+    ("a_log", dict(use_gate_in_kernel=True, a_log=np.zeros((3,), np.float32)), ValueError),
+    ("a_log", dict(use_gate_in_kernel=True, a_log=np.zeros((2,), np.float16)), TypeError),
+    ("dt_bias", dict(use_gate_in_kernel=True, a_log=np.zeros((2,), np.float32),
+                     dt_bias=np.zeros((2,), np.float32)), ValueError),
+    ("lower_bound", dict(use_gate_in_kernel=True, lower_bound=-6.0), ValueError),
+    ("lower_bound", dict(use_gate_in_kernel=True, lower_bound=0.0), ValueError),
+    ("lower_bound", dict(lower_bound=-1.0), ValueError),
+    ("allow_neg_eigval", dict(allow_neg_eigval=True), ValueError),
+    ("chunk_size", dict(chunk_size=16), ValueError),
+    ("scale", dict(scale="big"), TypeError),
+    ("output_final_state", dict(output_final_state=1), TypeError),
+    ("implementation", dict(implementation="triton"), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,change,error", BAD_INPUTS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_INPUTS)])
+def test_bad_inputs_name_the_argument(name, change, error):
+  rng = np.random.default_rng(0)
+  args = dict(q=rng.standard_normal((2, 8, 2, 8), np.float32),
+              k=rng.standard_normal((2, 8, 2, 8), np.float32),
+              v=rng.standard_normal((2, 8, 2, 16), np.float32),
+              g=-rng.random((2, 8, 2, 8), np.float32), beta=rng.random((2, 8, 2), np.float32))
+  args.update(change)
+  q, k, v, g, beta = (args.pop(n) for n in ("q", "k", "v", "g", "beta"))
+  with pytest.raises(error, match=name):
+    cudnn_jax.kda(q, k, v, g, beta, **args)
+
+
+def test_gdn_checks_its_gate_shape():
+  x = np.zeros((1, 8, 2, 8), np.float32)
+  with pytest.raises(ValueError, match="g"):
+    cudnn_jax.gdn(x, x, x, x, np.zeros((1, 8, 2), np.float32))
+  with pytest.raises(ValueError, match="dt_bias"):
+    cudnn_jax.gdn(x, x, x, np.zeros((1, 8, 2), np.float32), np.zeros((1, 8, 2), np.float32),
+                  use_gate_in_kernel=True, a_log=np.zeros((2,), np.float32),
+                  dt_bias=np.zeros((16,), np.float32))
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_cudnn_engine_unsupported_and_explain(op):
+  arrays, kwargs = make_case(Config(op=op, t=8))
+  q, k, v, g, beta = (arrays[n] for n in ("q", "k", "v", "g", "beta"))
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn"):
+    getattr(cudnn_jax, op)(q, k, v, g, beta, implementation="cudnn")
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  text = cudnn_jax.explain(op, *map(spec, (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)
+  assert f"{op}: engine 'xla' serves this call" in text
+  assert "cudnn: declines" in text
+
+
+def test_chunk_groups_agree(monkeypatch):
+  """Long inputs take the pair decays a group of chunks at a time; same results."""
+  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
+  cfg = Config(t=70, chunk_size=32, initial_state=True)
+  arrays, kwargs = make_case(cfg)
+  loss = lambda a: sum(jnp.sum(jnp.sin(x)) for x in call_op("kda", a, kwargs))
+  expected = jax.jit(jax.value_and_grad(loss))(arrays)
+  monkeypatch.setattr(ref, "_PAIR_BYTES", 2 * 4 * 2 * 2 * 32 * 32 * 8)  # 2 of 3 chunks
+  got = jax.jit(jax.value_and_grad(loss))(arrays)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got,
+               expected)
