@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the extension on a GPU machine from this tree, runs the GPU tests and benchmarks.
 #   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [SWEEP_PROCESSES]
-# Environment: BENCHES (default "sdpa"), BENCH_ARGS, and the *_TIMEOUT limits below.
+# Environment: BENCHES (default "sdpa"), BENCH_ARGS, SUITE_TIMEOUT (0: skip the portable
+# suite on the GPU), SUITE_ARGS, and the *_TIMEOUT limits below.
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers).
 set -uo pipefail
 LOG=${1:?log dir}; WHL=${2:-.whl}; PROCS=${3:-6}
@@ -24,6 +25,10 @@ echo "build: $(( $(date +%s) - start )) s"
 cd /tmp
 [ "${NAMED_TIMEOUT:-120}" = 0 ] || timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" "$TREE/tests/gpu" \
   > "$LOG/pytest_named.log" 2>&1; echo "named GPU tests: $(tail -1 "$LOG/pytest_named.log")"
+# The portable suite (pure-JAX engines included) on the GPU backend.
+[ "${SUITE_TIMEOUT:-0}" = 0 ] || { timeout "$SUITE_TIMEOUT" python3 -m pytest -q \
+  -p no:cacheprovider --ignore "$TREE/tests/gpu" ${SUITE_ARGS:-} "$TREE/tests" \
+  > "$LOG/pytest_suite.log" 2>&1; echo "suite on GPU: $(tail -1 "$LOG/pytest_suite.log")"; }
 for bench in ${BENCHES:-sdpa}; do  # e.g. BENCHES="sdpa kda moe"
   timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/$bench.py" --out "$LOG" ${BENCH_ARGS:-} \
     2>&1 | tee "$LOG/bench_$bench.log"
