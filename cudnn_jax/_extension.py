@@ -14,12 +14,17 @@ import jax
 _log = logging.getLogger("cudnn_jax")
 
 
+_import_error: str | None = None
+
+
 @functools.cache
 def module():
-  """The extension module, or None (with one logged notice) when it is not built."""
+  """The extension module, or None (with one logged notice) when it cannot be loaded."""
+  global _import_error
   try:
     from cudnn_jax import _ffi  # pylint: disable=g-import-not-at-top
   except ImportError as e:
+    _import_error = str(e)
     _log.info("cudnn_jax: compiled extension not available (%s); GPU engines are off, "
               "every op runs on the 'xla' engine.", e)
     return None
@@ -30,13 +35,10 @@ def module():
 
 def unavailable_reason() -> str | None:
   """None when the GPU engines can run here, else why not."""
-  if module() is None:
-    return "the compiled extension cudnn_jax._ffi is not built (no CUDA toolkit at install time)"
   if jax.default_backend() != "gpu":
     return f"default backend is {jax.default_backend()!r}, not 'gpu'"
-  if any(d.platform != "gpu" or "NVIDIA" not in getattr(d, "device_kind", "NVIDIA")
-         for d in jax.local_devices()[:1]):
-    return "no NVIDIA GPU among the local devices"
+  if module() is None:
+    return f"the compiled extension cudnn_jax._ffi cannot be loaded ({_import_error})"
   return None
 
 
