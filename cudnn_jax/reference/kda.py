@@ -14,13 +14,19 @@ token t), the chunk's writes solve a unit lower-triangular system ``(I + A) u = 
     S_out = diag(e^{G_C}) S0 + (k e^{G_C - G})^T u.
 
 Everything but the two state lines runs in parallel over chunks; the state recurrence is a
-``lax.scan`` of matmuls. Pair decays ``e^{G_t - G_s}`` are taken as exp of differences
-masked to the causal triangle first, so no exponent is ever positive (no overflow, and an
-underflow only rounds a vanishing term to 0).
+``lax.scan`` of matmuls.
+
+Pair sums ``sum_k x_t y_s e^{G_t - G_s}`` (per-channel G) are matmuls over a hierarchy of
+sub-blocks (64 -> 16 -> 4 -> 1 tokens): sub-block I meets the earlier tokens of its block
+through ``(x_t e^{G_t - G_r}) . (y_s e^{G_r - G_s})`` with r the token just before I, so
+s <= r < t and, G being non-increasing, both exponents are <= 0 (no overflow; an underflow
+only drops a vanishing term). Each level is one [h, K] x [K, a] product per sub-block, and
+its gradients are the same products transposed; the leaves are the diagonal t = s.
 
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
-then forms every input gradient in parallel over chunks.
+then forms every input gradient in parallel over chunks. Matmuls parallel over chunks take
+bf16 operands for bf16 inputs; every product accumulates in float32.
 
 Packed sequences (``cu_seqlens``) are laid out so each sequence starts on a chunk
 boundary (zero padding: g = 0, beta = 0, k = 0 leave the state unchanged); the scan resets
@@ -71,41 +77,120 @@ def gate(g, a_log, dt_bias, lower_bound):
 # G [..., C, Kg] with Kg = K (per-channel gate) or 1 (scalar gate).
 
 
+def _mm(x, y, dt):
+  """``x @ y`` with operands in ``dt`` (the inputs' dtype) and float32 accumulation."""
+  return jnp.matmul(x.astype(dt), y.astype(dt), precision=matmul_precision(dt),
+                    preferred_element_type=jnp.float32)
+
+
 def _causal(c, strict):
   return jnp.tril(jnp.ones((c, c), bool), -1 if strict else 0)
 
 
-def _pair_decay(G):
-  """``E_ts = exp(G_t - G_s)`` for s < t, 0 elsewhere: [..., C, C, Kg]."""
-  keep = _causal(G.shape[-2], strict=True)[..., None]
-  diff = G[..., :, None, :] - G[..., None, :, :]
-  return jnp.exp(jnp.where(keep, diff, -jnp.inf))  # masked first: no positive exponent
+def _levels(c):
+  """(block, sub-block) sizes of the reference-point hierarchy, e.g. 64/16, 16/4, 4/1."""
+  out = []
+  while c > 1:
+    out.append((c, c // 4 if c % 4 == 0 else c // 2))
+    c = out[-1][1]
+  return out
 
 
-def _pair(x, y, E, prec):
-  """``M_ts = sum_k x_t[k] y_s[k] E_ts[k]``: [..., C, C]."""
-  if E.shape[-1] == 1:
-    return jnp.matmul(x, y.mT, precision=prec) * E[..., 0]
-  return jnp.sum(x[..., :, None, :] * y[..., None, :, :] * E, axis=-1)
+def _blocks(z, n):
+  """[..., C, D] -> [..., C/n, n, D]."""
+  return z.reshape(*z.shape[:-2], z.shape[-2] // n, n, z.shape[-1])
 
 
-def _pair_bwd(x, y, E, dM, prec):
-  """Gradients of ``_pair`` for cotangent dM: (dx, dy, dG)."""
-  if E.shape[-1] == 1:
-    W = dM * E[..., 0]
-    Z = W * jnp.matmul(x, y.mT, precision=prec)
-    dG = jnp.sum(Z, -1) - jnp.sum(Z, -2)
-    return (jnp.matmul(W, y, precision=prec), jnp.matmul(W.mT, x, precision=prec),
-            dG[..., None])
-  F = dM[..., None] * E
-  Z = F * x[..., :, None, :] * y[..., None, :, :]
-  return (jnp.sum(F * y[..., None, :, :], -2), jnp.sum(F * x[..., :, None, :], -3),
-          jnp.sum(Z, -2) - jnp.sum(Z, -3))
+def _diagonal_blocks(W, n):
+  """The n x n blocks on the diagonal of W [..., C, C]: [..., C/n, n, n]."""
+  p = W.shape[-1] // n
+  if p == 1:
+    return W[..., None, :, :]
+  W = W.reshape(*W.shape[:-2], p, n, p, n)
+  return jnp.moveaxis(jnp.diagonal(W, axis1=-4, axis2=-2), -1, -3)
 
 
-def _to_gate(x, G):
-  """Reduces a [..., K] gradient to G's channel count (sums over K for a scalar gate)."""
-  return jnp.sum(x, -1, keepdims=True) if G.shape[-1] == 1 else x
+def _block_diagonal(M):
+  """[..., p, n, n] -> [..., p n, p n] with those blocks on the diagonal."""
+  *lead, p, n, _ = M.shape
+  if p > 1:
+    M = M[..., :, :, None, :] * jnp.eye(p, dtype=M.dtype)[:, None, :, None]
+  return M.reshape(*lead, p * n, p * n)
+
+
+# One level (n, h) of the hierarchy pairs token t of an h-sub-block with the tokens s of
+# the earlier sub-blocks of its n-block, through a reference token r between them
+# (exponents G_t - G_r and G_r - G_s, both <= 0). Below: the product, and the two products
+# of its transpose for the backward pass; sub-block I starts at a, sub-block J ends at e.
+
+
+def _cross(x, y, G, n, h, dt):
+  """``M_ts = sum_k x_t y_s e^{G_t - G_s}`` over one level's pairs: [..., C, C]."""
+  xb, yb, Gb = (_blocks(z, n) for z in (x, y, G))
+  rows = [jnp.zeros((*xb.shape[:-2], h, n), jnp.float32)]
+  for a in range(h, n, h):
+    ref = Gb[..., a - 1:a, :]
+    xs = xb[..., a:a + h, :] * jnp.exp(Gb[..., a:a + h, :] - ref)
+    ys = yb[..., :a, :] * jnp.exp(ref - Gb[..., :a, :])
+    block = _mm(xs, ys.mT, dt)  # [..., h, a]
+    rows.append(jnp.pad(block, [(0, 0)] * (block.ndim - 1) + [(0, n - a)]))
+  return _block_diagonal(jnp.concatenate(rows, axis=-2))
+
+
+def _cross_rows(W, y, G, n, h, dt):
+  """``out_t = sum_s W_ts y_s e^{G_t - G_s}`` over one level's pairs: [..., C, K]."""
+  Wb, yb, Gb = _diagonal_blocks(W, n), _blocks(y, n), _blocks(G, n)
+  out = [jnp.zeros_like(yb[..., :h, :])]
+  for a in range(h, n, h):
+    ref = Gb[..., a - 1:a, :]
+    ys = yb[..., :a, :] * jnp.exp(ref - Gb[..., :a, :])
+    out.append(jnp.exp(Gb[..., a:a + h, :] - ref) * _mm(Wb[..., a:a + h, :a], ys, dt))
+  return jnp.concatenate(out, axis=-2).reshape(y.shape)
+
+
+def _cross_cols(W, x, G, n, h, dt):
+  """``out_s = sum_t W_ts x_t e^{G_t - G_s}`` over one level's pairs: [..., C, K]."""
+  Wb, xb, Gb = _diagonal_blocks(W, n), _blocks(x, n), _blocks(G, n)
+  out = []
+  for e in range(h, n, h):
+    ref = Gb[..., e - 1:e, :]
+    xs = xb[..., e:, :] * jnp.exp(Gb[..., e:, :] - ref)
+    out.append(jnp.exp(ref - Gb[..., e - h:e, :]) * _mm(Wb[..., e:, e - h:e].mT, xs, dt))
+  out.append(jnp.zeros_like(xb[..., :h, :]))
+  return jnp.concatenate(out, axis=-2).reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _strict_pair(x, y, G, dt):
+  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G."""
+  return sum(_cross(x, y, G, n, h, dt) for n, h in _levels(G.shape[-2]))
+
+
+def _strict_pair_fwd(x, y, G, dt):
+  return _strict_pair(x, y, G, dt), (x, y, G)
+
+
+def _strict_pair_bwd(dt, res, dM):
+  x, y, G = res
+  levels = _levels(G.shape[-2])
+  dx = sum(_cross_rows(dM, y, G, n, h, dt) for n, h in levels)
+  dy = sum(_cross_cols(dM, x, G, n, h, dt) for n, h in levels)
+  return dx, dy, x * dx - y * dy  # G enters as +G_t and -G_s
+
+
+_strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
+
+
+def _pair(x, y, G, dt, diagonal):
+  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t (s <= t if diagonal)."""
+  c = G.shape[-2]
+  if G.shape[-1] == 1:  # scalar gate: the decay factors out of the sum
+    keep = _causal(c, strict=not diagonal)
+    return _mm(x, y.mT, dt) * jnp.exp(jnp.where(keep, G - G.mT, -jnp.inf))  # masked first
+  M = _strict_pair(x, y, G, dt)
+  if diagonal:
+    M = M + jnp.eye(c, dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
+  return M
 
 
 class Intra(NamedTuple):
@@ -118,44 +203,16 @@ class Intra(NamedTuple):
   dec: jax.Array  # [..., Kg]    e^{G_C}
 
 
-def _intra(q, k, v, G, b, prec):
-  """Intra-chunk quantities and what their backward pass needs. ``b`` is beta [..., C, 1]."""
+def _intra(q, k, v, G, b, dt):
+  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  ed = jnp.exp(G[..., -1:, :] - G)
-  Ek = _pair_decay(G)
-  Eq = Ek + jnp.eye(c, dtype=Ek.dtype)[:, :, None]  # the diagonal's decay is exp(0)
-  Kk = _pair(k, k, Ek, prec)
-  L = jnp.eye(c, dtype=Kk.dtype) + b * Kk
-  Tinv = solve_triangular(L, jnp.broadcast_to(jnp.eye(c, dtype=L.dtype), L.shape),
-                          lower=True, unit_diagonal=True)
-  kg = k * eG
-  out = Intra(w=jnp.matmul(Tinv, b * kg, precision=prec),
-              U=jnp.matmul(Tinv, b * v, precision=prec),
-              P=_pair(q, k, Eq, prec), qg=q * eG, kd=k * ed, dec=jnp.exp(G[..., -1, :]))
-  return out, (eG, ed, Ek, Eq, Kk, Tinv, kg)
-
-
-def _intra_bwd(q, k, v, G, b, prec, d: Intra):
-  """Gradients (dq, dk, dv, dG, db) of ``_intra`` for cotangents ``d``."""
-  out, (eG, ed, Ek, Eq, Kk, Tinv, kg) = _intra(q, k, v, G, b, prec)
-  dYw = jnp.matmul(Tinv.mT, d.w, precision=prec)
-  dYu = jnp.matmul(Tinv.mT, d.U, precision=prec)
-  dA = -(jnp.matmul(dYw, out.w.mT, precision=prec) + jnp.matmul(dYu, out.U.mT, precision=prec))
-  dA = jnp.where(_causal(G.shape[-2], strict=True), dA, 0.0)
-  db = (jnp.sum(dA * Kk, -1, keepdims=True) + jnp.sum(dYw * kg, -1, keepdims=True)
-        + jnp.sum(dYu * v, -1, keepdims=True))
-  dv = b * dYu
-  dkg = b * dYw
-  dk1, dk2, dGk = _pair_bwd(k, k, Ek, b * dA, prec)
-  dq1, dk3, dGq = _pair_bwd(q, k, Eq, d.P, prec)
-  dq = d.qg * eG + dq1
-  dk = dkg * eG + d.kd * ed + dk1 + dk2 + dk3
-  dkd = _to_gate(d.kd * out.kd, G)
-  dG = _to_gate(dkg * kg + d.qg * out.qg, G) - dkd + dGk + dGq
-  dG_last = jnp.sum(dkd, -2) + d.dec * out.dec  # G_C enters kd and dec
-  dG = dG.at[..., -1, :].add(dG_last)
-  return dq, dk, dv, dG, db
+  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
+  wU = solve_triangular(L, jnp.concatenate([b * k * eG, b * v], -1), lower=True,
+                        unit_diagonal=True)
+  return Intra(w=wU[..., :k.shape[-1]], U=wU[..., k.shape[-1]:],
+               P=_pair(q, k, G, dt, diagonal=True), qg=q * eG,
+               kd=k * jnp.exp(G[..., -1:, :] - G), dec=jnp.exp(G[..., -1, :]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,8 +231,10 @@ def _bcast(flag, x):
   return flag.reshape(flag.shape + (1,) * (x.ndim - flag.ndim))
 
 
-def _state_scan(it: Intra, init, seg, prec):
+def _state_scan(it: Intra, init, seg, dt):
   """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V]."""
+  prec = matmul_precision(dt)
+
   def step(carry, x):
     S, finals = carry
     w, U, kd, dec, reset, seq, last = x
@@ -196,47 +255,32 @@ def _state_scan(it: Intra, init, seg, prec):
   return states, finals
 
 
-_PAIR_BYTES = 1 << 30  # bound on one [.., C, C, Kg] float32 temporary
-
-
-def _over_chunks(fn, *xs):
-  """``fn`` applied to groups of chunks in turn (axis 0 of [NC,B,HV,C,...] arrays).
-
-  The per-channel pair decays are [C, C, K] per chunk; taking all chunks at once would
-  hold B*HV*T*C*K floats, so groups are sized to keep that under ``_PAIR_BYTES``.
-  """
-  nc, b, hv, c = xs[0].shape[:4]
-  per_chunk = 4 * b * hv * c * c * xs[3].shape[-1]  # xs[3] is G
-  group = max(1, min(nc, _PAIR_BYTES // per_chunk))
-  if group >= nc:
-    return fn(*xs)
-  return jax.lax.map(lambda a: fn(*a), xs, batch_size=group)
-
-
-def _chunked_fwd(prec, q, k, v, g, beta, init, seg):
+def _chunked_fwd(dt, q, k, v, g, beta, init, seg):
   G = jnp.cumsum(g, axis=-2)
-  it = _over_chunks(lambda *a: _intra(*a, prec)[0], q, k, v, G, beta)
-  S, final = _state_scan(it, init, seg, prec)  # S: chunk-entry states [NC,B,HV,K,V]
-  u = it.U - jnp.matmul(it.w, S, precision=prec)
-  o = jnp.matmul(it.qg, S, precision=prec) + jnp.matmul(it.P, u, precision=prec)
+  it = _intra(q, k, v, G, beta, dt)
+  S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
+  u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
+  o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
   return (o, final), (q, k, v, g, beta, init, seg, S)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked(prec, q, k, v, g, beta, init, seg):
+def chunked(dt, q, k, v, g, beta, init, seg):
   """``o [NC,B,HV,C,V]`` and final states ``[N,HV,K,V]``, all float32.
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; g [NC,B,HV,C,Kg]; beta [NC,B,HV,C,1];
-  init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row).
+  init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
+  dt the dtype of the chunk-parallel matmul operands.
   """
-  return _chunked_fwd(prec, q, k, v, g, beta, init, seg)[0]
+  return _chunked_fwd(dt, q, k, v, g, beta, init, seg)[0]
 
 
-def _chunked_bwd(prec, res, cts):
+def _chunked_bwd(dt, res, cts):
   q, k, v, g, beta, init, seg, S = res
   do, dfinal = cts
+  prec = matmul_precision(dt)
   G = jnp.cumsum(g, axis=-2)
-  it = _over_chunks(lambda *a: _intra(*a, prec)[0], q, k, v, G, beta)
+  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
@@ -261,15 +305,14 @@ def _chunked_bwd(prec, res, cts):
     (_, dinit), dS_out = jax.lax.scan(step, carry, xs, reverse=True)
 
   u = it.U - jnp.matmul(it.w, S, precision=prec)
-  du = jnp.matmul(it.P.mT, do, precision=prec) + jnp.matmul(it.kd, dS_out, precision=prec)
-  d = Intra(w=-jnp.matmul(du, S.mT, precision=prec), U=du,
-            P=jnp.where(_causal(G.shape[-2], strict=False),
-                        jnp.matmul(do, u.mT, precision=prec), 0.0),
-            qg=jnp.matmul(do, S.mT, precision=prec),
-            kd=jnp.matmul(u, dS_out.mT, precision=prec),
-            dec=_to_gate(jnp.sum(dS_out * S, -1), G))
-  dq, dk, dv, dG, db = _over_chunks(lambda *a: _intra_bwd(*a[:5], prec, Intra(*a[5:])),
-                                    q, k, v, G, beta, *d)
+  du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
+  d = Intra(w=-_mm(du, S.mT, dt), U=du,
+            P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
+            qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
+            dec=jnp.sum(dS_out * S, -1))
+  if G.shape[-1] == 1:
+    d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
+  dq, dk, dv, dG, db = intra_vjp(d)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), -2), -2)  # G = cumsum(g)
   return dq, dk, dv, dg, db, dinit, None
 
@@ -344,7 +387,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
   """
   b, t, h, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
-  dtype, prec = q.dtype, matmul_precision(q.dtype)
+  dtype = q.dtype
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   q, k, v, g, beta = map(f32, (q, k, v, g, beta))
   if qk_l2norm:
@@ -366,7 +409,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
     xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
     seg = pack.seg
   xs = tuple(_to_chunks(x, chunk_size) for x in xs)
-  o, final = chunked(prec, *xs, init, seg)
+  o, final = chunked(dtype, *xs, init, seg)
   o = _from_chunks(o, xs[0].shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
   return o.astype(dtype), final
