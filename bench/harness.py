@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
@@ -26,3 +28,14 @@ def rel_diff(a, b):
   """||a - b|| / ||b|| in float64."""
   a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def write_results(out_dir, name, rows, **meta):
+  """Writes ``out_dir/name.json`` with the rows and where they were measured; its path."""
+  os.makedirs(out_dir, exist_ok=True)
+  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+              jax=jax.__version__, **meta)
+  path = os.path.join(out_dir, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  return path

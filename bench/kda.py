@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls
+from harness import rel_diff, time_calls, write_results
 
 WARMUP = 3
 CALLS = 10
@@ -169,13 +168,8 @@ def main():
   start = time.perf_counter()
   rows = run(shapes, anchor)
   elapsed = time.perf_counter() - start
-  os.makedirs(args.out, exist_ok=True)
-  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-              jax=jax.__version__, quick=args.quick, seconds=elapsed, warmup=WARMUP,
-              calls=CALLS, fla=anchor[0] is not None or anchor[1])
-  path = os.path.join(args.out, "kda.json")
-  with open(path, "w") as f:
-    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  path = write_results(args.out, "kda", rows, quick=args.quick, seconds=elapsed,
+                       warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1])
   print(f"{elapsed:.0f} s; wrote {path}")
 
 

@@ -18,8 +18,6 @@ Writes DIR/moe.json (DIR defaults to bench/results).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
 import time
 
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls
+from harness import rel_diff, time_calls, write_results
 from cudnn_jax.gemm import gemm, grouped_gemm
 from cudnn_jax.moe import moe_mlp
 
@@ -187,13 +185,8 @@ def main():
   start = time.perf_counter()
   rows = run(args.quick, dtype)
   elapsed = time.perf_counter() - start
-  os.makedirs(args.out, exist_ok=True)
-  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-              jax=jax.__version__, quick=args.quick, dtype=jnp.dtype(dtype).name,
-              seconds=elapsed, warmup=WARMUP, calls=CALLS)
-  path = os.path.join(args.out, "moe.json")
-  with open(path, "w") as f:
-    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  path = write_results(args.out, "moe", rows, quick=args.quick, dtype=jnp.dtype(dtype).name,
+                       seconds=elapsed, warmup=WARMUP, calls=CALLS)
   print(f"{elapsed:.0f} s; wrote {path}")
 
 

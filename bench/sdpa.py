@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import pathlib
 import sys
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls
+from harness import rel_diff, time_calls, write_results
 
 WARMUP = 3
 CALLS = 20
@@ -239,13 +238,9 @@ def main():
   start = time.perf_counter()
   rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla)
   elapsed = time.perf_counter() - start
-  os.makedirs(args.out, exist_ok=True)
-  meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-              jax=jax.__version__, quick=args.quick, baseline=baseline, seconds=elapsed,
-              cache_info=cudnn_jax.cache_info(), warmup=WARMUP, calls=CALLS, loop=LOOP)
-  json_path = os.path.join(args.out, "sdpa.json")
-  with open(json_path, "w") as f:
-    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  json_path = write_results(args.out, "sdpa", rows, quick=args.quick, baseline=baseline,
+                            seconds=elapsed, cache_info=cudnn_jax.cache_info(),
+                            warmup=WARMUP, calls=CALLS, loop=LOOP)
   png_path = os.path.join(args.out, "sdpa.png")
   plot(rows, png_path, baseline)
   print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")
