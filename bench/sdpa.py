@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import os
 import pathlib
-import sys
 import time
 
 import jax
