@@ -39,3 +39,8 @@ def write_results(out_dir, name, rows, **meta):
   with open(path, "w") as f:
     json.dump(dict(meta=meta, rows=rows), f, indent=1)
   return path
+
+
+def error_text(e: Exception) -> str:
+  """One short line naming an exception, for a results row."""
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls, write_results
+from harness import error_text, rel_diff, time_calls, write_results
 
 WARMUP = 3
 CALLS = 10
@@ -120,7 +120,7 @@ def run(shapes, anchor):
       try:
         row["ms"], out = ours(x, backward)
       except Exception as e:  # pylint: disable=broad-except
-        row["error"], out = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", None
+        row["error"], out = error_text(e), None
       if anchor[0] is not None:
         try:
           row["fla_ms"], fla_out = fla(*anchor, x, backward)
@@ -129,7 +129,7 @@ def run(shapes, anchor):
           if out is not None:
             row["rel_diff_vs_fla"] = rel_diff(out, fla_out)
         except Exception as e:  # pylint: disable=broad-except
-          row["fla_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          row["fla_error"] = error_text(e)
       print_row(row)
       rows.append(row)
     del x

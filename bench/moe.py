@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls, write_results
+from harness import error_text, rel_diff, time_calls, write_results
 from cudnn_jax.gemm import gemm, grouped_gemm
 from cudnn_jax.moe import moe_mlp
 
@@ -55,7 +55,7 @@ def measure(case, engines, args, flops, forward=True, compare=None):
         else:
           row["rel_diff_vs_first"] = rel_diff(out, first)
     except Exception as e:  # pylint: disable=broad-except
-      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      row["error"] = error_text(e)
     print_row(row)
     rows.append(row)
   return rows

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import rel_diff, time_calls, write_results
+from harness import error_text, rel_diff, time_calls, write_results
 
 WARMUP = 3
 CALLS = 20
@@ -121,7 +121,7 @@ def measure(name, attn, shape, dtype, backward, use_loop, args):
     if not backward:
       row["_out"] = single(*args)
   except Exception as e:  # pylint: disable=broad-except
-    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    row["error"] = error_text(e)
   for key in ("ms", "ms_in_jit"):
     if row.get(key):
       row[key.replace("ms", "tflops")] = shape.flops(backward) / (row[key] * 1e-3) / 1e12
