@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the extension on a GPU machine from this tree, runs the GPU tests and benchmarks.
 #   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [SWEEP_PROCESSES]
-# Environment: BENCHES (default "sdpa"), BENCH_ARGS, SUITE_TIMEOUT (0: skip the portable
-# suite on the GPU), SUITE_ARGS, and the *_TIMEOUT limits below.
+# Environment: BENCHES (default "sdpa"), BENCH_ARGS (or BENCH_ARGS_<name>, e.g.
+# BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
+# SUITE_ARGS, and the *_TIMEOUT limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers).
 set -uo pipefail
 LOG=${1:?log dir}; WHL=${2:-.whl}; PROCS=${3:-6}
@@ -30,10 +31,13 @@ cd /tmp
   -p no:cacheprovider --ignore "$TREE/tests/gpu" ${SUITE_ARGS:-} "$TREE/tests" \
   > "$LOG/pytest_suite.log" 2>&1; echo "suite on GPU: $(tail -1 "$LOG/pytest_suite.log")"; }
 for bench in ${BENCHES:-sdpa}; do  # e.g. BENCHES="sdpa kda moe"
-  timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/$bench.py" --out "$LOG" ${BENCH_ARGS:-} \
+  per_bench=BENCH_ARGS_$bench
+  timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/$bench.py" --out "$LOG" \
+    ${!per_bench:-${BENCH_ARGS:-}} \
     2>&1 | tee "$LOG/bench_$bench.log"
 done
 
+[ "${SWEEP_TIMEOUT:-300}" = 0 ] && exit 0
 # The sweep, split over processes that share the GPU.
 SWEEP=$(mktemp -d)
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import pathlib
+import re
 import statistics
+import tempfile
 import time
 
 import jax
@@ -44,3 +48,61 @@ def write_results(out_dir, name, rows, **meta):
 def error_text(e: Exception) -> str:
   """One short line naming an exception, for a results row."""
   return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+_HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$')
+_HLO_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{$')
+
+
+def hlo_op_names(hlo_text):
+  """{instruction: op_name} from compiled HLO text; an instruction without metadata (a
+  fusion, say) takes the first op_name found in the computation it calls."""
+  own, calls, inside, comp = {}, {}, collections.defaultdict(list), None
+  for line in hlo_text.splitlines():
+    if m := _HLO_COMPUTATION.match(line):
+      comp = m.group(1)
+    elif m := _HLO_INSTRUCTION.match(line):
+      name, rest = m.groups()
+      if op := re.search(r'op_name="([^"]*)"', rest):
+        own[name] = op.group(1)
+        inside[comp].append(op.group(1))
+      if callee := re.search(r'calls=%?([\w.\-]+)', rest):
+        calls[name] = callee.group(1)
+  names = dict(own)
+  for name, callee in calls.items():
+    if name not in names and inside.get(callee):
+      names[name] = inside[callee][0]
+  return names
+
+
+def profile_scopes(fn, args, scopes, calls=3):
+  """Device time per call of ``fn(*args)`` (jitted) split by ``jax.named_scope`` names.
+
+  Runs ``calls`` calls under the JAX profiler and charges each device event to the
+  outermost of ``scopes`` in its HLO instruction's op_name (else "other"). Returns ``(by_scope,
+  top_ops)``: ms per call for each scope, and the ten costliest HLO instructions as
+  ``(ms per call, instruction, op_name)``.
+  """
+  op_names = hlo_op_names(fn.lower(*args).compile().as_text())
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path = next(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(path))
+  per_op = collections.Counter()
+  planes = [p for p in data.planes if p.name.startswith("/device:")] or data.planes  # CPU: host
+  for plane in planes:
+    for line in plane.lines:
+      for event in line.events:
+        op = dict(event.stats).get("hlo_op")
+        if op is not None:
+          per_op[op] += event.duration_ns / 1e6 / calls
+  by_scope = collections.Counter()
+  for op, ms in per_op.items():
+    # Components look like "kda_intra" or, under autodiff, "transpose(jvp(kda_intra))".
+    names = [re.sub(r"^(?:\w+\()+", "", c).rstrip(")") for c in op_names.get(op, "").split("/")]
+    by_scope[next((n for n in names if n in scopes), "other")] += ms
+  top = [(ms, op, op_names.get(op, "")) for op, ms in per_op.most_common(10)]
+  return dict(by_scope), top

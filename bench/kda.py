@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.kda (xla engine) against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick]
+    python bench/kda.py [--out DIR] [--quick] [--profile]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, rel_diff, time_calls, write_results
+from harness import error_text, profile_scopes, rel_diff, time_calls, write_results
 
 WARMUP = 3
 CALLS = 10
@@ -58,17 +58,39 @@ def inputs(shape, seed=0):
                                     do=bf16(do)))
 
 
-def ours(x, backward):
-  """(ms, forward output) for cudnn_jax.kda on the xla engine."""
+def jitted(x, backward):
+  """(jitted cudnn_jax.kda on the xla engine, forward or gradients, its arguments)."""
   attn = lambda q, k, v, g, beta: cudnn_jax.kda(
       q, k, v, g, beta, use_qk_l2norm_in_kernel=True, implementation="xla")[0]
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
   if backward:
     loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * x["do"].astype(jnp.float32))
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    return 1e3 * time_calls(fn, args, CALLS, WARMUP), None
-  fn = jax.jit(attn)
-  return 1e3 * time_calls(fn, args, CALLS, WARMUP), fn(*args)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), args
+  return jax.jit(attn), args
+
+
+def ours(x, backward):
+  """(ms, forward output or None) for cudnn_jax.kda on the xla engine."""
+  fn, args = jitted(x, backward)
+  return 1e3 * time_calls(fn, args, CALLS, WARMUP), None if backward else fn(*args)
+
+
+# The engine's jax.named_scope stages (cudnn_jax/reference/kda.py).
+STAGES = ("kda_intra", "kda_state_scan", "kda_output", "kda_state_scan_bwd", "kda_output_bwd",
+          "kda_intra_bwd")
+
+
+def print_profile(shape):
+  """Device ms per call of each engine stage, and the costliest HLO instructions."""
+  x = inputs(shape)
+  for backward in (False, True):
+    by_stage, top = profile_scopes(*jitted(x, backward), STAGES)
+    total = sum(by_stage.values())
+    print(f"\nprofile {shape} {'fwd+bwd' if backward else 'fwd'}: {total:.3f} ms of kernels")
+    for stage, ms in sorted(by_stage.items(), key=lambda kv: -kv[1]):
+      print(f"  {stage:<20} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+    for ms, op, op_name in top:
+      print(f"    {ms:8.3f} ms  {op:<28} {op_name[-90:]}")
 
 
 def load_fla():
@@ -154,6 +176,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
+  parser.add_argument("--profile", action="store_true",
+                      help="also print where the device time goes, by engine stage")
   args = parser.parse_args()
   if args.quick:
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
@@ -171,6 +195,8 @@ def main():
   path = write_results(args.out, "kda", rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1])
   print(f"{elapsed:.0f} s; wrote {path}")
+  if args.profile:
+    print_profile(shapes[0])
 
 
 if __name__ == "__main__":

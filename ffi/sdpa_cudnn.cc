@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/buffers.h"
 #include "common/cudnn_runtime.h"
 #include "common/errors.h"
 #include "common/graph_utils.h"
@@ -418,18 +419,6 @@ void bind_optionals(const Optionals& opt, std::unordered_map<int64_t, void*>& te
   }
 }
 
-// Rows past the valid lengths are not written by cuDNN: start them from zero.
-ffi::Error zero_fill(cudaStream_t stream, const char* op,
-                     std::initializer_list<ffi::AnyBuffer*> outputs) {
-  for (ffi::AnyBuffer* buf : outputs) {
-    if (cudaError_t err = cudaMemsetAsync(buf->untyped_data(), 0, buf->size_bytes(), stream);
-        err != cudaSuccess) {
-      return internal_error(stage_message(op, "zero_fill", cudaGetErrorString(err)));
-    }
-  }
-  return ffi::Error::Success();
-}
-
 // Device, handle and plan for one handler call.
 ffi::Error prepare(const SdpaConfig& c, cudaStream_t stream, std::shared_ptr<CachedPlan>* plan,
                    DeviceHandle** handle) {
@@ -486,9 +475,9 @@ ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
         {kO, out->untyped_data()},  {kStats, lse->untyped_data()},
     };
     bind_optionals(opt, tensors);
-    if (has_padding) {
-      if (ffi::Error e = zero_fill(stream, "sdpa_fwd", {&*out}); e.failure()) return e;
-    }
+    // Rows past the valid lengths are not written by cuDNN.
+    if (ffi::Error e = prefill(stream, "sdpa_fwd", has_padding, {&*out}); e.failure()) return e;
+    if (ffi::Error e = prefill(stream, "sdpa_fwd", false, {&*lse}); e.failure()) return e;
     return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_fwd");
   });
 }
@@ -540,11 +529,9 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     };
     bind_optionals(opt, tensors);
     if (dbias) tensors[kDBias] = dbias->untyped_data();
-    if (has_padding) {
-      ffi::Error e = dbias ? zero_fill(stream, "sdpa_bwd", {&*dq, &*dk, &*dv, &*dbias})
-                           : zero_fill(stream, "sdpa_bwd", {&*dq, &*dk, &*dv});
-      if (e.failure()) return e;
-    }
+    ffi::Error e = prefill(stream, "sdpa_bwd", has_padding,
+                           {&*dq, &*dk, &*dv, dbias ? &*dbias : nullptr});
+    if (e.failure()) return e;
     return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_bwd");
   });
 }

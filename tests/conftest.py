@@ -13,6 +13,9 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+# Result buffers reach our GPU kernels NaN-filled, so an element left unwritten shows up.
+os.environ.setdefault("CUDNN_JAX_POISON_OUTPUTS", "1")
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # makes `sdpa_oracle` importable
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position

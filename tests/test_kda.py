@@ -1,8 +1,5 @@
 """cudnn_jax.kda / cudnn_jax.gdn on the "xla" engine (CPU) against the float64 recurrence."""
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,96 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
-from kda_oracle import oracle
-
-DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "a_log", "dt_bias")
-TOL = {"float32": dict(rtol=2e-4, atol=2e-4), "bfloat16": dict(rtol=3e-2, atol=3e-2)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  op: str = "kda"
-  b: int = 2
-  t: int = 40
-  h: int = 2
-  hv: int = 2
-  k: int = 8
-  v: int = 16
-  dtype: str = "float32"
-  scale: float | None = None
-  initial_state: bool = False
-  l2norm: bool = False
-  gate: str | None = None  # None (g is the log decay), "softplus", "lower_bound"
-  a_log: bool = True  # with gate="lower_bound", a_log may be left out
-  dt_bias: bool = False
-  lower_bound: float = -5.0
-  beta_sigmoid: bool = False
-  neg_eig: bool = False
-  cu_seqlens: tuple | None = None  # then b is 1 and t is cu_seqlens[-1]
-  chunk_size: int = 64
-
-
-def make_case(cfg: Config, seed=0):
-  """(arrays, kwargs): the op's arguments, NumPy arrays for every array argument."""
-  rng = np.random.default_rng(seed)
-  b, t = (1, cfg.cu_seqlens[-1]) if cfg.cu_seqlens else (cfg.b, cfg.t)
-  n = len(cfg.cu_seqlens) - 1 if cfg.cu_seqlens else b
-  f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-  q, k = f32(b, t, cfg.h, cfg.k), f32(b, t, cfg.h, cfg.k)
-  if not cfg.l2norm:  # unit keys keep the delta rule contractive
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  g_shape = (b, t, cfg.hv) + (() if cfg.op == "gdn" else (cfg.k,))
-  g = (f32(*g_shape) if cfg.gate
-       else -rng.uniform(0.02, 0.6, g_shape).astype(np.float32))
-  beta = (f32(b, t, cfg.hv) if cfg.beta_sigmoid
-          else rng.uniform(0.1, 1.0, (b, t, cfg.hv)).astype(np.float32))
-  arrays = dict(q=q, k=k, v=f32(b, t, cfg.hv, cfg.v), g=g, beta=beta)
-  if cfg.initial_state:
-    arrays["initial_state"] = f32(n, cfg.hv, cfg.k, cfg.v)
-  if cfg.gate and (cfg.a_log or cfg.gate == "softplus"):
-    arrays["a_log"] = (0.5 * f32(cfg.hv)).astype(np.float32)
-  if cfg.gate and cfg.dt_bias:
-    arrays["dt_bias"] = f32(cfg.hv * (1 if cfg.op == "gdn" else cfg.k))
-  kwargs = dict(scale=cfg.scale, output_final_state=True, use_qk_l2norm_in_kernel=cfg.l2norm,
-                use_gate_in_kernel=cfg.gate is not None,
-                lower_bound=cfg.lower_bound if cfg.gate == "lower_bound" else None,
-                use_beta_sigmoid_in_kernel=cfg.beta_sigmoid, allow_neg_eigval=cfg.neg_eig,
-                chunk_size=cfg.chunk_size)
-  if cfg.cu_seqlens:
-    arrays["cu_seqlens"] = np.asarray(cfg.cu_seqlens, np.int32)
-  if cfg.dtype != "float32":
-    for name in ("q", "k", "v"):
-      arrays[name] = jnp.asarray(arrays[name], cfg.dtype)
-  return arrays, kwargs
-
-
-def call_op(op, arrays, kwargs):
-  q, k, v, g, beta = (arrays[n] for n in ("q", "k", "v", "g", "beta"))
-  rest = {n: x for n, x in arrays.items() if n not in ("q", "k", "v", "g", "beta")}
-  return getattr(cudnn_jax, op)(q, k, v, g, beta, implementation="xla", **rest, **kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted(op, kwargs):
-  return jax.jit(lambda arrays: call_op(op, arrays, dict(kwargs)))
-
-
-def run(cfg, arrays, kwargs):
-  """The op on ``arrays`` (a dict of its array arguments), jitted, or traced when inside jit."""
-  return _jitted(cfg.op, tuple(sorted(kwargs.items())))(arrays)
-
-
-def run_oracle(arrays, kwargs):
-  as_f64 = lambda x: np.asarray(x if isinstance(x, np.ndarray) else jnp.asarray(x, jnp.float32),
-                                np.float64)
-  return oracle(**{n: as_f64(x) if n != "cu_seqlens" else x for n, x in arrays.items()},
-                **kwargs)
-
-
-def assert_close(actual, expected, dtype="float32", what=""):
-  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  np.testing.assert_allclose(actual, expected, err_msg=what, **TOL[dtype])
-
+from kda_cases import (DIFFERENTIABLE, Config, assert_close, call_op, make_case, run,
+                        run_oracle)
 
 # (name, Config) pairs, each exercising one option.
 FORWARD_CASES = [

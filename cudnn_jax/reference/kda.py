@@ -203,6 +203,7 @@ class Intra(NamedTuple):
   dec: jax.Array  # [..., Kg]    e^{G_C}
 
 
+@jax.named_scope("kda_intra")  # scopes name the stages in profiles
 def _intra(q, k, v, G, b, dt):
   """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
   c = G.shape[-2]
@@ -231,6 +232,7 @@ def _bcast(flag, x):
   return flag.reshape(flag.shape + (1,) * (x.ndim - flag.ndim))
 
 
+@jax.named_scope("kda_state_scan")
 def _state_scan(it: Intra, init, seg, dt):
   """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V]."""
   prec = matmul_precision(dt)
@@ -259,8 +261,9 @@ def _chunked_fwd(dt, q, k, v, g, beta, init, seg):
   G = jnp.cumsum(g, axis=-2)
   it = _intra(q, k, v, G, beta, dt)
   S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
-  u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
-  o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
+  with jax.named_scope("kda_output"):
+    u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
+    o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
   return (o, final), (q, k, v, g, beta, init, seg, S)
 
 
@@ -296,23 +299,26 @@ def _chunked_bwd(dt, res, cts):
     return (dS_in, dinit), dS
 
   xs = (do, it.qg, it.w, it.kd, it.dec, it.P)  # dS_out below: grads of chunk-exit states
-  if seg is None:
-    (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
-  else:
-    xs += tuple(seg[:3])
-    carry = (jnp.zeros((1,) + init.shape[1:], init.dtype),
-             jnp.where(_bcast(seg.empty, dfinal), dfinal, 0.0))
-    (_, dinit), dS_out = jax.lax.scan(step, carry, xs, reverse=True)
+  with jax.named_scope("kda_state_scan_bwd"):
+    if seg is None:
+      (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
+    else:
+      xs += tuple(seg[:3])
+      carry = (jnp.zeros((1,) + init.shape[1:], init.dtype),
+               jnp.where(_bcast(seg.empty, dfinal), dfinal, 0.0))
+      (_, dinit), dS_out = jax.lax.scan(step, carry, xs, reverse=True)
 
-  u = it.U - jnp.matmul(it.w, S, precision=prec)
-  du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
-  d = Intra(w=-_mm(du, S.mT, dt), U=du,
-            P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
-            qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
-            dec=jnp.sum(dS_out * S, -1))
-  if G.shape[-1] == 1:
-    d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
-  dq, dk, dv, dG, db = intra_vjp(d)
+  with jax.named_scope("kda_output_bwd"):
+    u = it.U - jnp.matmul(it.w, S, precision=prec)
+    du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
+    d = Intra(w=-_mm(du, S.mT, dt), U=du,
+              P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
+              qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
+              dec=jnp.sum(dS_out * S, -1))
+    if G.shape[-1] == 1:
+      d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
+  with jax.named_scope("kda_intra_bwd"):
+    dq, dk, dv, dG, db = intra_vjp(d)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), -2), -2)  # G = cumsum(g)
   return dq, dk, dv, dg, db, dinit, None
 

@@ -59,35 +59,33 @@ class Result:
       self.problems.append(f"{name}: {value:.3g} > {tol}")
 
 
-def engine_fns(call, implementation, with_lse_cotangent):
-  """Jitted forward (out, lse) and VJP for one engine."""
-  fwd = jax.jit(lambda d, a: call(d, a, implementation=implementation, return_lse=True))
-
-  def vjp(d, a, d_out, d_lse):
+def engine_fn(call, implementation, with_lse_cotangent):
+  """One jitted function: (out, lse, gradients) of an engine for given cotangents."""
+  def run(d, a, d_out, d_lse):
+    f = lambda d: call(d, a, implementation=implementation, return_lse=True)
     if with_lse_cotangent:
-      f = lambda d: call(d, a, implementation=implementation, return_lse=True)
-      return jax.vjp(f, d)[1]((d_out, d_lse))[0]
+      (out, lse), pull = jax.vjp(f, d)
+      return out, lse, pull((d_out, d_lse))[0]
     # out alone: lse's cotangent is a symbolic zero, so the cuDNN backward serves it.
-    f = lambda d: call(d, a, implementation=implementation)
-    return jax.vjp(f, d)[1](d_out)[0]
-  return fwd, jax.jit(vjp)
+    out, pull, lse = jax.vjp(f, d, has_aux=True)
+    return out, lse, pull(d_out)[0]
+  return jax.jit(run)
 
 
 def compare(cfg: Config, seed: int = 0, *, with_oracle=None, with_lse_cotangent=False):
   """Runs cfg on both engines; raises Declined when the cudnn engine declines it."""
   args, kwargs = make_case(cfg, seed)
   diff, arrays, call = differentiable(args, kwargs)
-  cudnn_fwd, cudnn_vjp = engine_fns(call, "cudnn", with_lse_cotangent)
-  xla_fwd, xla_vjp = engine_fns(call, "xla", with_lse_cotangent)
+  out_shape, lse_shape = jax.eval_shape(
+      lambda d: call(d, arrays, implementation="xla", return_lse=True), diff)
+  d_out = cotangent(out_shape.shape, out_shape.dtype, seed)
+  d_lse = cotangent(lse_shape.shape, jnp.float32, seed + 1)
   try:
-    out, lse = cudnn_fwd(diff, arrays)
+    out, lse, grads = engine_fn(call, "cudnn", with_lse_cotangent)(diff, arrays, d_out, d_lse)
   except cudnn_jax.UnsupportedError as e:
     raise Declined(str(e)) from None
-  ref_out, ref_lse = xla_fwd(diff, arrays)
-  d_out = cotangent(out.shape, out.dtype, seed)
-  d_lse = cotangent(lse.shape, jnp.float32, seed + 1)
-  grads = cudnn_vjp(diff, arrays, d_out, d_lse)
-  ref_grads = xla_vjp(diff, arrays, d_out, d_lse)
+  ref_out, ref_lse, ref_grads = engine_fn(call, "xla", with_lse_cotangent)(
+      diff, arrays, d_out, d_lse)
 
   res = Result()
   res.check("out", rel_err(out, ref_out), REL_TOL)
