@@ -9,6 +9,9 @@ fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (C
 tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
+With --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
+names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
+XLA's command buffers turned off so that every kernel is seen.
 Writes DIR/kda.json (DIR defaults to bench/results).
 """
 
@@ -19,10 +22,13 @@ import dataclasses
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 # FLA (torch) shares the GPU with JAX in this process: leave it room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+if "--profile" in sys.argv:  # one profiler event per kernel, not per CUDA graph
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
@@ -177,8 +183,12 @@ def main():
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
   parser.add_argument("--profile", action="store_true",
-                      help="also print where the device time goes, by engine stage")
+                      help="instead of the table, where the device time goes by engine stage")
   args = parser.parse_args()
+  if args.profile:
+    print_profile(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
+                  else Shape(b=8, t=4096, h=16, k=128, v=128))
+    return
   if args.quick:
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
     anchor = (None, "--quick")
@@ -195,8 +205,6 @@ def main():
   path = write_results(args.out, "kda", rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1])
   print(f"{elapsed:.0f} s; wrote {path}")
-  if args.profile:
-    print_profile(shapes[0])
 
 
 if __name__ == "__main__":
