@@ -75,13 +75,13 @@ def hlo_op_names(hlo_text):
   return names
 
 
-def profile_scopes(fn, args, scopes, calls=3):
+def profile_scopes(fn, args, scopes, calls=3, top=10):
   """Device time per call of ``fn(*args)`` (jitted) split by ``jax.named_scope`` names.
 
   Runs ``calls`` calls under the JAX profiler and charges each device event to the
   outermost of ``scopes`` in its HLO instruction's op_name (else "other"). Returns ``(by_scope,
   top_ops)``: ms per call for each scope, and the ten costliest HLO instructions as
-  ``(ms per call, instruction, op_name)``.
+  ``(ms per call, instruction, op_name)`` (``top`` of them).
   """
   op_names = hlo_op_names(fn.lower(*args).compile().as_text())
   jax.block_until_ready(fn(*args))
@@ -104,5 +104,5 @@ def profile_scopes(fn, args, scopes, calls=3):
     # Components look like "kda_intra" or, under autodiff, "transpose(jvp(kda_intra))".
     names = [re.sub(r"^(?:\w+\()+", "", c).rstrip(")") for c in op_names.get(op, "").split("/")]
     by_scope[next((n for n in names if n in scopes), "other")] += ms
-  top = [(ms, op, op_names.get(op, "")) for op, ms in per_op.most_common(10)]
+  top = [(ms, op, op_names.get(op, "")) for op, ms in per_op.most_common(top)]
   return dict(by_scope), top

@@ -90,7 +90,7 @@ def print_profile(shape):
   """Device ms per call of each engine stage, and the costliest HLO instructions."""
   x = inputs(shape)
   for backward in (False, True):
-    by_stage, top = profile_scopes(*jitted(x, backward), STAGES)
+    by_stage, top = profile_scopes(*jitted(x, backward), STAGES, top=25)
     total = sum(by_stage.values())
     print(f"\nprofile {shape} {'fwd+bwd' if backward else 'fwd'}: {total:.3f} ms of kernels")
     for stage, ms in sorted(by_stage.items(), key=lambda kv: -kv[1]):
