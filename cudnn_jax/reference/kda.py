@@ -57,15 +57,15 @@ def l2norm(x):
 
 
 def gate(g, a_log, dt_bias, lower_bound):
-  """Raw gate ``g [B,T,HV,Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV*Kg]`` or None.
+  """Raw gate ``g [..., HV, C, Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV*Kg]`` or None.
 
   ``-exp(a_log) * softplus(g + dt_bias)``, or with ``lower_bound`` lb
   ``lb * sigmoid(exp(a_log) * (g + dt_bias))`` (no ``exp(a_log)`` factor when a_log is None).
   """
-  hv = g.shape[2]
+  hv = g.shape[-3]
   if dt_bias is not None:
-    g = g + dt_bias.reshape(hv, -1)
-  a = None if a_log is None else jnp.exp(a_log)[:, None]
+    g = g + dt_bias.reshape(hv, 1, -1)
+  a = None if a_log is None else jnp.exp(a_log)[:, None, None]
   if lower_bound is None:
     return -a * jax.nn.softplus(g)
   return lower_bound * jax.nn.sigmoid(g if a is None else a * g)
@@ -470,7 +470,17 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
   hv, vdim = v.shape[2], v.shape[3]
   dtype = q.dtype
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+  n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+  init = (jnp.zeros((n, hv, kdim, vdim), jnp.float32) if initial_state is None
+          else f32(initial_state))
+
+  # Into the chunk layout first, in the inputs' dtypes (half the bytes for bf16 inputs).
+  xs, seg = (q, k, v, g, beta[..., None]), None
+  if cu_seqlens is not None:
+    pack = _packing(cu_seqlens, t, chunk_size)
+    xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
+    seg = pack.seg
+  q, k, v, g, beta = (f32(_to_chunks(x, chunk_size)) for x in xs)  # [NC,B,H,C,D]
   if qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   q, k = (jnp.repeat(x, hv // h, axis=2) for x in (q * scale, k))  # value head -> q/k head
@@ -478,19 +488,13 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
     g = gate(g, a_log, dt_bias, lower_bound)
   if beta_sigmoid:
     beta = (2.0 if allow_neg_eigval else 1.0) * jax.nn.sigmoid(beta)
-  beta = beta[..., None]
+  if gate_in_kernel or beta_sigmoid:  # padding slots must leave the state alone
+    nc = q.shape[0]
+    slot = (pack.valid if cu_seqlens is not None
+            else jnp.arange(nc * chunk_size) < t).reshape(nc, 1, 1, chunk_size, 1)
+    g, beta = jnp.where(slot, g, 0.0), jnp.where(slot, beta, 0.0)
 
-  n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-  init = (jnp.zeros((n, hv, kdim, vdim), jnp.float32) if initial_state is None
-          else f32(initial_state))
-  seg = None
-  xs = (q, k, v, g, beta)
-  if cu_seqlens is not None:
-    pack = _packing(cu_seqlens, t, chunk_size)
-    xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
-    seg = pack.seg
-  xs = tuple(_to_chunks(x, chunk_size) for x in xs)
-  o, final = chunked(dtype, *xs, init, seg)
-  o = _from_chunks(o, xs[0].shape[0] * chunk_size)
+  o, final = chunked(dtype, q, k, v, g, beta, init, seg)
+  o = _from_chunks(o.astype(dtype), o.shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
-  return o.astype(dtype), final
+  return o, final
