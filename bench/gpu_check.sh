@@ -39,7 +39,8 @@ done
 
 [ "${SWEEP_TIMEOUT:-300}" = 0 ] && exit 0
 # The sweep, split over processes that share the GPU.
-SWEEP=$(mktemp -d)
+SWEEP=$LOG/sweep  # in LOG, so a run cut short still leaves what it did
+mkdir -p "$SWEEP"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
 for i in $(seq 0 $((PROCS - 1))); do
   # Autotuning (timing every candidate plan) is what the named tests and the benchmark
