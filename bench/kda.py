@@ -64,10 +64,11 @@ def inputs(shape, seed=0):
                                     do=bf16(do)))
 
 
-def jitted(x, backward):
+def jitted(x, backward, chunk_size=64):
   """(jitted cudnn_jax.kda on the xla engine, forward or gradients, its arguments)."""
   attn = lambda q, k, v, g, beta: cudnn_jax.kda(
-      q, k, v, g, beta, use_qk_l2norm_in_kernel=True, implementation="xla")[0]
+      q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
+      implementation="xla")[0]
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
   if backward:
     loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * x["do"].astype(jnp.float32))
@@ -89,10 +90,11 @@ STAGES = ("kda_intra", "kda_state_scan", "kda_output", "kda_state_scan_bwd", "kd
 def print_profile(shape):
   """Device ms per call of each engine stage, and the costliest HLO instructions."""
   x = inputs(shape)
-  for backward in (False, True):
-    by_stage, top = profile_scopes(*jitted(x, backward), STAGES, top=25)
+  for chunk_size, backward in ((64, False), (64, True), (32, False), (32, True)):
+    by_stage, top = profile_scopes(*jitted(x, backward, chunk_size), STAGES, top=25)
     total = sum(by_stage.values())
-    print(f"\nprofile {shape} {'fwd+bwd' if backward else 'fwd'}: {total:.3f} ms of kernels")
+    print(f"\nprofile {shape} chunk {chunk_size} {'fwd+bwd' if backward else 'fwd'}: "
+          f"{total:.3f} ms of kernels")
     for stage, ms in sorted(by_stage.items(), key=lambda kv: -kv[1]):
       print(f"  {stage:<20} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
     for ms, op, op_name in top:
