@@ -100,11 +100,6 @@ def _blocks(z, n):
   return z.reshape(*z.shape[:-2], z.shape[-2] // n, n, z.shape[-1])
 
 
-def _unblocks(z):
-  """[..., C/n, n, D] -> [..., C, D]."""
-  return z.reshape(*z.shape[:-3], z.shape[-3] * z.shape[-2], z.shape[-1])
-
-
 def _diagonal_blocks(W, n):
   """The n x n blocks on the diagonal of W [..., C, C]: [..., C/n, n, n]."""
   p = W.shape[-1] // n
@@ -144,12 +139,12 @@ def _cross(x, y, G, n, h, dt):
 def _cross_rows(W, y, G, n, h, dt):
   """``out_t = sum_s W_ts y_s e^{G_t - G_s}`` over one level's pairs: [..., C, K]."""
   Wb, yb, Gb = _diagonal_blocks(W, n), _blocks(y, n), _blocks(G, n)
-  out = []
+  out = [jnp.zeros_like(yb[..., :h, :])]
   for a in range(h, n, h):
     ref = Gb[..., a - 1:a, :]
     ys = yb[..., :a, :] * jnp.exp(ref - Gb[..., :a, :])
     out.append(jnp.exp(Gb[..., a:a + h, :] - ref) * _mm(Wb[..., a:a + h, :a], ys, dt))
-  return _unblocks(jnp.concatenate([jnp.zeros_like(out[0])] + out, axis=-2))
+  return jnp.concatenate(out, axis=-2).reshape(y.shape)
 
 
 def _cross_cols(W, x, G, n, h, dt):
@@ -160,16 +155,13 @@ def _cross_cols(W, x, G, n, h, dt):
     ref = Gb[..., e - 1:e, :]
     xs = xb[..., e:, :] * jnp.exp(Gb[..., e:, :] - ref)
     out.append(jnp.exp(ref - Gb[..., e - h:e, :]) * _mm(Wb[..., e:, e - h:e].mT, xs, dt))
-  return _unblocks(jnp.concatenate(out + [jnp.zeros_like(out[0])], axis=-2))
+  out.append(jnp.zeros_like(xb[..., :h, :]))
+  return jnp.concatenate(out, axis=-2).reshape(x.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _strict_pair(x, y, G, dt):
-  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G.
-
-  x may stack several left operands on axis -3 against one y and G (size 1 on that axis):
-  the y side of every level is then formed once.
-  """
+  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G."""
   return sum(_cross(x, y, G, n, h, dt) for n, h in _levels(G.shape[-2]))
 
 
@@ -182,25 +174,22 @@ def _strict_pair_bwd(dt, res, dM):
   levels = _levels(G.shape[-2])
   dx = sum(_cross_rows(dM, y, G, n, h, dt) for n, h in levels)
   dy = sum(_cross_cols(dM, x, G, n, h, dt) for n, h in levels)
-  dy = jnp.sum(dy, -3, keepdims=True) if y.shape[-3] < dy.shape[-3] else dy
-  dG = x * dx
-  dG = jnp.sum(dG, -3, keepdims=True) if G.shape[-3] < dG.shape[-3] else dG
-  return dx, dy, dG - y * dy  # G enters as +G_t and -G_s
+  return dx, dy, x * dx - y * dy  # G enters as +G_t and -G_s
 
 
 _strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
 
 
-def _pairs(q, k, G, dt):
-  """``(A, P)``: ``A_ts = sum_k k_t k_s e^{G_t - G_s}`` for s < t and ``P_ts = sum_k q_t k_s
-  e^{G_t - G_s}`` for s <= t, each [..., C, C]."""
+def _pair(x, y, G, dt, diagonal):
+  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t (s <= t if diagonal)."""
   c = G.shape[-2]
   if G.shape[-1] == 1:  # scalar gate: the decay factors out of the sum
-    decay = lambda strict: jnp.exp(jnp.where(_causal(c, strict), G - G.mT, -jnp.inf))
-    return _mm(k, k.mT, dt) * decay(True), _mm(q, k.mT, dt) * decay(False)  # masked first
-  one = lambda z: z[..., None, :, :]
-  A, P = jnp.moveaxis(_strict_pair(jnp.stack([k, q], -3), one(k), one(G), dt), -3, 0)
-  return A, P + jnp.eye(c, dtype=P.dtype) * jnp.sum(q * k, -1)[..., :, None]
+    keep = _causal(c, strict=not diagonal)
+    return _mm(x, y.mT, dt) * jnp.exp(jnp.where(keep, G - G.mT, -jnp.inf))  # masked first
+  M = _strict_pair(x, y, G, dt)
+  if diagonal:
+    M = M + jnp.eye(c, dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
+  return M
 
 
 def _unit_lower_inverse(L):
@@ -265,11 +254,10 @@ def _intra(q, k, v, G, b, dt):
   """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  A, P = _pairs(q, k, G, dt)
-  L = jnp.eye(c, dtype=jnp.float32) + b * A
+  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
   wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
   return Intra(w=wU[..., :k.shape[-1]], U=wU[..., k.shape[-1]:],
-               P=P, qg=q * eG,
+               P=_pair(q, k, G, dt, diagonal=True), qg=q * eG,
                kd=k * jnp.exp(G[..., -1:, :] - G), dec=jnp.exp(G[..., -1, :]))
 
 
