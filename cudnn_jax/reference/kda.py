@@ -285,33 +285,23 @@ def _chunk_cumsum(x, reverse=False):
   return jnp.matmul(tri.T if reverse else tri, x, precision=jax.lax.Precision.HIGHEST)
 
 
-def _transition(it: Intra, prec):
-  """``M [..., K, K]`` with ``S_out = M S + kd^T U``: ``M = diag(e^{G_C}) - kd^T w``."""
-  kdim = it.kd.shape[-1]
-  return (it.dec[..., :, None] * jnp.eye(kdim, dtype=jnp.float32)
-          - jnp.matmul(it.kd.mT, it.w, precision=prec))
-
-
 @jax.named_scope("kda_state_scan")
 def _state_scan(it: Intra, init, seg, dt):
-  """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V].
-
-  Each chunk maps its entry state affinely, ``S_out = M S + kd^T U``; M and the offset are
-  formed in parallel over chunks, so each sequential step is one matmul and an add.
-  """
+  """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V]."""
   prec = matmul_precision(dt)
-  xs = (_transition(it, prec), jnp.matmul(it.kd.mT, it.U, precision=prec))
 
   def step(carry, x):
     S, finals = carry
-    M, offset, reset, seq, last = x
+    w, U, kd, dec, reset, seq, last = x
     if seg is not None:
       S = jnp.where(_bcast(reset, S), init[seq], S)
-    S_out = jnp.matmul(M, S, precision=prec) + offset
+    u = U - jnp.matmul(w, S, precision=prec)
+    S_out = dec[..., :, None] * S + jnp.matmul(kd.mT, u, precision=prec)
     if seg is not None:
       finals = finals.at[seq].set(jnp.where(_bcast(last, S_out), S_out, finals[seq]))
     return (S_out, finals), S
 
+  xs = (it.w, it.U, it.kd, it.dec)
   if seg is None:
     (final, _), states = jax.lax.scan(step, (init, None), xs + (None,) * 3)
     return states, final
@@ -347,23 +337,22 @@ def _chunked_bwd(dt, res, cts):
   prec = matmul_precision(dt)
   G = _chunk_cumsum(g)
   it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt), q, k, v, G, beta)
-  Pt_do = _mm(it.P.mT, do, dt)
 
-  # Entry-state gradients run backwards: dS_in = M^T dS_out + (qg^T do - w^T P^T do).
   def step(carry, x):
     dS, dinit = carry
-    Mt, offset, reset, seq, last = x
+    do, qg, w, kd, dec, P, reset, seq, last = x
     if seg is not None:
       dS = dS + jnp.where(_bcast(last, dS), dfinal[seq], 0.0)
-    dS_in = jnp.matmul(Mt, dS, precision=prec) + offset
+    du = jnp.matmul(P.mT, do, precision=prec) + jnp.matmul(kd, dS, precision=prec)
+    dS_in = (jnp.matmul(qg.mT, do, precision=prec) - jnp.matmul(w.mT, du, precision=prec)
+             + dec[..., :, None] * dS)
     if seg is not None:
       dinit = dinit.at[seq].add(jnp.where(_bcast(reset, dS_in), dS_in, 0.0))
       dS_in = jnp.where(_bcast(reset, dS_in), 0.0, dS_in)
     return (dS_in, dinit), dS
 
+  xs = (do, it.qg, it.w, it.kd, it.dec, it.P)  # dS_out below: grads of chunk-exit states
   with jax.named_scope("kda_state_scan_bwd"):
-    xs = (_transition(it, prec).mT,  # dS_out below: grads of chunk-exit states
-          jnp.matmul(it.qg.mT, do, precision=prec) - jnp.matmul(it.w.mT, Pt_do, precision=prec))
     if seg is None:
       (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
     else:
@@ -374,7 +363,7 @@ def _chunked_bwd(dt, res, cts):
 
   with jax.named_scope("kda_output_bwd"):
     u = it.U - jnp.matmul(it.w, S, precision=prec)
-    du = Pt_do + _mm(it.kd, dS_out, dt)
+    du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
     d = Intra(w=-_mm(du, S.mT, dt), U=du,
               P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
               qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
