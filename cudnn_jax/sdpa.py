@@ -301,14 +301,20 @@ def _cudnn_view(call: SdpaCall):
 
   Bottom-right causal attention with T > S leaves the first T - S query rows without keys;
   cuDNN refuses max_s_q > max_s_kv there, so those rows are cut off and written as 0.
+  Without sequence lengths and with T = S (after the cut) the two alignments coincide, and
+  the call goes to cuDNN as top-left, which it also serves together with a bias.
   """
   skip = call.t - call.s
-  if (call.is_causal and call.bottom_right and skip > 0 and not call.has_q_lengths
-      and not call.has_kv_lengths):
+  lengths = call.has_q_lengths or call.has_kv_lengths
+  if call.is_causal and call.bottom_right and skip > 0 and not lengths:
     rows = lambda shape: None if shape is None else shape[:2] + (min(shape[2], call.s),) + shape[3:]
-    return dataclasses.replace(call, t=call.s, bias_shape=rows(call.bias_shape),
-                               mask_shape=rows(call.mask_shape)), skip
-  return call, 0
+    call = dataclasses.replace(call, t=call.s, bias_shape=rows(call.bias_shape),
+                               mask_shape=rows(call.mask_shape))
+  else:
+    skip = 0
+  if call.bottom_right and call.t == call.s and not lengths:
+    call = dataclasses.replace(call, bottom_right=False)
+  return call, skip
 
 
 def _row_valid(call: SdpaCall, x: SdpaInputs, keep_any=None):

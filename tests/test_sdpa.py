@@ -1,6 +1,7 @@
 """cudnn_jax.sdpa on the "xla" engine (CPU) against the float64 oracle of SPEC section 1."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -438,3 +439,51 @@ def test_sharded_matches_unsharded(mesh_shape, axes, spec, cfg):
   np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,s,lengths,view_t,skip,bottom_right", [
+    (64, 64, False, 64, 0, False),   # corners aligned: served as top-left
+    (96, 64, False, 64, 32, False),  # keyless leading rows cut, then aligned
+    (64, 96, False, 64, 0, True),
+    (64, 64, True, 64, 0, True),     # per-batch lengths move the corner
+])
+def test_cudnn_view_of_bottom_right_causal(t, s, lengths, view_t, skip, bottom_right):
+  sdpa_module = importlib.import_module("cudnn_jax.sdpa")  # the package's `sdpa` is the op
+  args, kwargs = make_case(Config(b=2, t=t, s=s, n=2, k=2, is_causal=True, bias="11ts",
+                                  causal_alignment="bottom_right", q_lengths=lengths,
+                                  kv_lengths=lengths))
+  call = sdpa_module._prepare(*args, **kwargs)[0]  # pylint: disable=protected-access
+  view, cut = sdpa_module._cudnn_view(call)  # pylint: disable=protected-access
+  assert (view.t, cut, view.bottom_right) == (view_t, skip, bottom_right)
+  assert view.bias_shape[2] == view_t
+
+
+@pytest.mark.parametrize("t,s", [(64, 64), (96, 64), (64, 96)])
+def test_cudnn_engine_python_side_matches_xla(monkeypatch, t, s):
+  """The cudnn engine's views (row cut, alignment, mask folded into the bias, empty-row
+  fix-up) over the primitives' emulated CPU lowering, against the xla engine."""
+  sdpa_module = importlib.import_module("cudnn_jax.sdpa")
+  monkeypatch.setattr(sdpa_module, "_cudnn_check", lambda *a, **kw: None)
+  args, kwargs = make_case(Config(b=2, t=t, s=s, n=4, k=2, is_causal=True, bias="1nts",
+                                  mask="b1ts", causal_alignment="bottom_right"))
+  kwargs = {**kwargs, "return_lse": True}
+  w = cotangent((2, t, 4, args[2].shape[-1]), np.float32, 0)
+
+  def loss(run, q, k, v, bias):
+    out, lse = run(q, k, v, bias)
+    return jnp.sum(out.astype(jnp.float32) * w), (out, jnp.where(jnp.isneginf(lse), 0, lse))
+
+  def via_cudnn_engine(q, k, v, bias):
+    call, inputs = sdpa_module._prepare(q, k, v, bias, **kwargs)  # pylint: disable=protected-access
+    return sdpa_module._run_cudnn(call, inputs)  # pylint: disable=protected-access
+
+  xla = functools.partial(cudnn_jax.sdpa, implementation="xla", **kwargs)
+  grad = lambda run: jax.jit(jax.grad(functools.partial(loss, run), argnums=(0, 1, 2, 3),
+                                      has_aux=True))(*args[:4])
+  (got, (out, lse)), (ref, (ref_out, ref_lse)) = grad(via_cudnn_engine), grad(xla)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                               rtol=2e-2, atol=2e-2)
