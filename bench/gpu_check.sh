@@ -42,14 +42,17 @@ done
 SWEEP=$LOG/sweep  # in LOG, so a run cut short still leaves what it did
 mkdir -p "$SWEEP"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
-for i in $(seq 0 $((PROCS - 1))); do
+# SWEEP_SHARDS (default PROCS) cuts the sweep into that many shards; this run takes PROCS
+# of them from SWEEP_FIRST on, so runs on several machines can share one sweep.
+SHARDS=${SWEEP_SHARDS:-$PROCS}; FIRST=${SWEEP_FIRST:-0}
+for i in $(seq "$FIRST" $((FIRST + PROCS - 1))); do
   # Autotuning (timing every candidate plan) is what the named tests and the benchmark
   # exercise; the sweep checks numerics, so it keeps the heuristic's choice.
-  CUDNN_JAX_AUTOTUNE=0 CUDNN_JAX_SWEEP_SHARD=$i/$PROCS timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
+  CUDNN_JAX_AUTOTUNE=0 CUDNN_JAX_SWEEP_SHARD=$i/$SHARDS timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
     "$TREE/tests/gpu" > "$SWEEP/sweep_$i.log" 2>&1 &
 done
 wait
-for i in $(seq 0 $((PROCS - 1))); do
+for i in $(seq "$FIRST" $((FIRST + PROCS - 1))); do
   echo "== sweep shard $i: $(tail -1 "$SWEEP/sweep_$i.log")"
 done
 # One line a configuration, from every shard (also when a shard was cut short).
@@ -67,6 +70,12 @@ for r in rows:
   for k, v in (r.get("errors") or {}).items():
     worst[k] = max(worst[k], v)
 print("  max error:", ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+seconds = collections.defaultdict(list)
+for r in rows:
+  for k, v in (r.get("seconds") or {}).items():
+    seconds[k].append(v)
+print("  mean seconds per configuration:",
+      ", ".join(f"{k} {sum(v) / len(v):.1f}" for k, v in sorted(seconds.items())))
 for r in rows:
   if r["status"] == "failed":
     print("  FAILED", r["config"], r.get("problems"))

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ class Declined(Exception):
 class Result:
   errors: dict = dataclasses.field(default_factory=dict)  # "out vs xla" -> error
   problems: list = dataclasses.field(default_factory=list)
+  seconds: dict = dataclasses.field(default_factory=dict)  # wall time per stage, compiles included
 
   def check(self, name, value, tol):
     self.errors[name] = value
@@ -80,14 +82,18 @@ def compare(cfg: Config, seed: int = 0, *, with_oracle=None, with_lse_cotangent=
       lambda d: call(d, arrays, implementation="xla", return_lse=True), diff)
   d_out = cotangent(out_shape.shape, out_shape.dtype, seed)
   d_lse = cotangent(lse_shape.shape, jnp.float32, seed + 1)
+  res = Result()
+  start = time.perf_counter()
   try:
-    out, lse, grads = engine_fn(call, "cudnn", with_lse_cotangent)(diff, arrays, d_out, d_lse)
+    out, lse, grads = jax.block_until_ready(
+        engine_fn(call, "cudnn", with_lse_cotangent)(diff, arrays, d_out, d_lse))
   except cudnn_jax.UnsupportedError as e:
     raise Declined(str(e)) from None
-  ref_out, ref_lse, ref_grads = engine_fn(call, "xla", with_lse_cotangent)(
-      diff, arrays, d_out, d_lse)
+  res.seconds["cudnn"] = time.perf_counter() - start
+  ref_out, ref_lse, ref_grads = jax.block_until_ready(
+      engine_fn(call, "xla", with_lse_cotangent)(diff, arrays, d_out, d_lse))
+  res.seconds["xla"] = time.perf_counter() - start - res.seconds["cudnn"]
 
-  res = Result()
   res.check("out", rel_err(out, ref_out), REL_TOL)
   res.check("lse", lse_err(lse, ref_lse), LSE_TOL)
   for name in diff:
@@ -114,6 +120,7 @@ def compare(cfg: Config, seed: int = 0, *, with_oracle=None, with_lse_cotangent=
   if with_oracle is None:
     with_oracle = b * n * t * s <= ORACLE_MAX_ELEMENTS
   if with_oracle:
+    start = time.perf_counter()
     exact_out, exact_lse = oracle(*args, **kwargs)
     res.check("out vs oracle", rel_err(out, exact_out), REL_TOL)
     res.check("lse vs oracle", lse_err(lse, exact_lse), LSE_TOL)
@@ -121,6 +128,7 @@ def compare(cfg: Config, seed: int = 0, *, with_oracle=None, with_lse_cotangent=
                        **kwargs)
     for name in diff:
       res.check(f"d{name} vs oracle", rel_err(grads[name], exact[name]), REL_TOL)
+    res.seconds["oracle"] = time.perf_counter() - start
   return res
 
 
@@ -258,7 +266,7 @@ def test_random_sweep(capsys):
       record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
     else:
       record.update(status="failed" if res.problems else "ok", errors=res.errors,
-                    problems=res.problems)
+                    problems=res.problems, seconds=res.seconds)
     records.append(record)
     with capsys.disabled():  # progress, so a run cut short still reports what it did
       print(json.dumps(record, default=str), flush=True)
