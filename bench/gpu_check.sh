@@ -4,7 +4,8 @@
 # Environment: BENCHES (default "sdpa"), BENCH_ARGS (or BENCH_ARGS_<name>, e.g.
 # BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
 # SUITE_ARGS, and the *_TIMEOUT limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
-# WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers).
+# WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers);
+# .aot/ (carried, git-ignored) the kernel objects from `python kernels/aot.py .aot`.
 set -uo pipefail
 LOG=${1:?log dir}; WHL=${2:-.whl}; PROCS=${3:-6}
 TREE=$(pwd)
@@ -17,6 +18,9 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$LOG/gpu.txt" 2>&1
 
+# Ahead-of-time kernels compiled on the build box (python kernels/aot.py .aot): this
+# machine has no CuTe DSL, so the build links those objects.
+[ -f "$TREE/.aot/aot_kernels.h" ] && export CUDNN_JAX_KERNELS_DIR=$TREE/.aot
 start=$(date +%s)
 python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
   || { tail -60 "$LOG/build.log"; exit 1; }

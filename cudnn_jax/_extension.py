@@ -48,3 +48,9 @@ def cache_info() -> dict:
   if m is None:
     return dict(size=0, capacity=0, hits=0, misses=0, evictions=0)
   return dict(m.cache_info())
+
+
+def aot_kernels() -> tuple[str, ...]:
+  """Names of the ahead-of-time compiled kernel variants in the extension (may be none)."""
+  m = module()
+  return () if m is None else tuple(m.aot_kernels())

@@ -9,6 +9,10 @@
 #include "common/cudnn_runtime.h"
 #include "common/plan_cache.h"
 #include "sdpa_cudnn.h"
+#ifdef CUDNN_JAX_HAVE_AOT_KERNELS
+#include "aot_axpy.h"
+#include "aot_kernels.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -25,6 +29,24 @@ nb::dict registrations() {
   nb::dict out;
   out["cudnn_jax_sdpa_fwd"] = handler_capsule(CudnnJaxSdpaFwd);
   out["cudnn_jax_sdpa_bwd"] = handler_capsule(CudnnJaxSdpaBwd);
+#ifdef CUDNN_JAX_HAVE_AOT_KERNELS
+  out["cudnn_jax_aot_axpy"] = handler_capsule(CudnnJaxAotAxpy);
+#endif
+  return out;
+}
+
+// Names of the ahead-of-time compiled kernel variants linked in (kernels/aot.py).
+nb::list aot_kernels() {
+  nb::list out;
+#ifdef CUDNN_JAX_HAVE_AOT_KERNELS
+  std::string names = CUDNN_JAX_AOT_KERNELS;
+  for (size_t start = 0; start < names.size();) {
+    size_t end = names.find(',', start);
+    if (end == std::string::npos) end = names.size();
+    out.append(names.substr(start, end - start));
+    start = end + 1;
+  }
+#endif
   return out;
 }
 
@@ -138,6 +160,8 @@ NB_MODULE(_ffi, m) {
   m.def("sdpa_check", &sdpa_check, nb::arg("config"),
         "'' when cuDNN can serve this SDPA configuration on the current device, else why "
         "not. Builds and caches the plan.");
+  m.def("aot_kernels", &aot_kernels,
+        "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
   m.def("cache_info", &cache_info, "Counters of the process-wide cuDNN plan cache.");
   m.def("cudnn_version", [] { return cudnn_jax::cudnn_runtime_version(); },
         "Version of the libcudnn loaded at run time (e.g. 91900); 0 when none loads.");

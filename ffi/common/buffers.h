@@ -20,15 +20,22 @@ inline bool poison_outputs() {
   return enabled;
 }
 
-// Sets every byte of `outputs` to `value`; `op` names the caller in errors.
+// Sets `bytes` bytes at `data` to `value`; `op` names the caller in errors.
+inline ffi::Error fill_bytes(cudaStream_t stream, const char* op, int value, void* data,
+                             size_t bytes) {
+  if (cudaError_t err = cudaMemsetAsync(data, value, bytes, stream); err != cudaSuccess) {
+    return internal_error(stage_message(op, "fill", cudaGetErrorString(err)));
+  }
+  return ffi::Error::Success();
+}
+
+// Sets every byte of `outputs` (null entries skipped) to `value`.
 inline ffi::Error fill_bytes(cudaStream_t stream, const char* op, int value,
                              std::initializer_list<ffi::AnyBuffer*> outputs) {
   for (ffi::AnyBuffer* buf : outputs) {
     if (buf == nullptr) continue;
-    if (cudaError_t err = cudaMemsetAsync(buf->untyped_data(), value, buf->size_bytes(), stream);
-        err != cudaSuccess) {
-      return internal_error(stage_message(op, "fill", cudaGetErrorString(err)));
-    }
+    ffi::Error e = fill_bytes(stream, op, value, buf->untyped_data(), buf->size_bytes());
+    if (e.failure()) return e;
   }
   return ffi::Error::Success();
 }
