@@ -98,3 +98,35 @@ def run_oracle(arrays, kwargs):
 def assert_close(actual, expected, dtype="float32", what=""):
   actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   np.testing.assert_allclose(actual, expected, err_msg=what, **TOL[dtype])
+
+
+def check_gradients(cfg, arrays, kwargs, *, rtol, atol, seed=0):
+  """Gradients of a random linear loss of (o, final_state) against float64 central
+  differences of the oracle, along one random direction per differentiable input:
+  ``|got - expected| <= rtol |expected| + atol ||grad|| ||direction||``."""
+  ref_o, ref_final = run_oracle(arrays, kwargs)
+  rng = np.random.default_rng(seed + 100)
+  w_o, w_f = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_final.shape)
+  diff = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
+  fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
+
+  def loss(d):
+    o, final = run(cfg, {**d, **fixed}, kwargs)
+    return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(final * w_f.astype(np.float32))
+
+  grads = jax.jit(jax.grad(loss))(diff)
+
+  def oracle_loss(d):
+    o, final = run_oracle({**d, **fixed}, kwargs)
+    return np.sum(o * w_o) + np.sum(final * w_f)
+
+  eps = 1e-5
+  for name, x in diff.items():
+    x = np.asarray(x, np.float64)
+    direction = rng.standard_normal(x.shape)
+    expected = (oracle_loss({**diff, name: x + eps * direction})
+                - oracle_loss({**diff, name: x - eps * direction})) / (2 * eps)
+    got = float(np.sum(np.asarray(grads[name], np.float64) * direction))
+    scale = np.linalg.norm(grads[name]) * np.linalg.norm(direction)
+    assert np.all(np.isfinite(np.asarray(grads[name]))), name
+    assert abs(got - expected) <= rtol * abs(expected) + atol * scale, (name, got, expected)

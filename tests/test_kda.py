@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
-from kda_cases import (DIFFERENTIABLE, Config, assert_close, call_op, make_case, run,
-                        run_oracle)
+from kda_cases import (DIFFERENTIABLE, Config, assert_close, call_op, check_gradients,
+                        make_case, run, run_oracle)
 
 # (name, Config) pairs, each exercising one option.
 FORWARD_CASES = [
@@ -111,40 +111,9 @@ GRAD_CASES = [
 ]
 
 
-def _loss_weights(arrays, kwargs, seed):
-  o, final = run_oracle(arrays, kwargs)
-  rng = np.random.default_rng(seed + 100)
-  return rng.standard_normal(o.shape), rng.standard_normal(final.shape)
-
-
 @pytest.mark.parametrize("cfg", [c for _, c in GRAD_CASES], ids=[n for n, _ in GRAD_CASES])
 def test_gradients_match_finite_differences(cfg):
-  arrays, kwargs = make_case(cfg)
-  w_o, w_f = _loss_weights(arrays, kwargs, 0)
-  diff = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-  fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-
-  def loss(d):
-    o, final = run(cfg, {**d, **fixed}, kwargs)
-    return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(final * w_f.astype(np.float32))
-
-  grads = jax.jit(jax.grad(loss))(diff)
-
-  def oracle_loss(d):
-    o, final = run_oracle({**d, **fixed}, kwargs)
-    return np.sum(o * w_o) + np.sum(final * w_f)
-
-  rng = np.random.default_rng(1)
-  eps = 1e-5
-  for name, x in diff.items():
-    x = np.asarray(x, np.float64)
-    direction = rng.standard_normal(x.shape)
-    plus = oracle_loss({**diff, name: x + eps * direction})
-    minus = oracle_loss({**diff, name: x - eps * direction})
-    expected = (plus - minus) / (2 * eps)
-    got = float(np.sum(np.asarray(grads[name], np.float64) * direction))
-    scale = np.linalg.norm(grads[name]) * np.linalg.norm(direction)
-    assert abs(got - expected) <= 2e-4 * abs(expected) + 2e-5 * scale, (name, got, expected)
+  check_gradients(cfg, *make_case(cfg), rtol=2e-4, atol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------

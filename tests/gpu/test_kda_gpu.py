@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_cases import DIFFERENTIABLE, Config, make_case, run, run_oracle
+from kda_cases import Config, check_gradients, make_case, run, run_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -42,31 +42,4 @@ def test_forward_matches_recurrence(cfg):
 @pytest.mark.parametrize("cfg", [c for n, c in CASES if c.dtype == "float32"],
                          ids=[n for n, c in CASES if c.dtype == "float32"])
 def test_gradients_match_finite_differences(cfg):
-  """Directional derivatives of a random linear loss, float64 central differences."""
-  arrays, kwargs = make_case(cfg, seed=4)
-  ref_o, ref_final = run_oracle(arrays, kwargs)
-  rng = np.random.default_rng(5)
-  w_o, w_f = rng.standard_normal(ref_o.shape), rng.standard_normal(ref_final.shape)
-  diff = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-  fixed = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-
-  def loss(d):
-    o, final = run(cfg, {**d, **fixed}, kwargs)
-    return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(final * w_f.astype(np.float32))
-
-  grads = jax.jit(jax.grad(loss))(diff)
-
-  def oracle_loss(d):
-    o, final = run_oracle({**d, **fixed}, kwargs)
-    return np.sum(o * w_o) + np.sum(final * w_f)
-
-  eps = 1e-5
-  for name, x in diff.items():
-    x = np.asarray(x, np.float64)
-    direction = rng.standard_normal(x.shape)
-    expected = (oracle_loss({**diff, name: x + eps * direction})
-                - oracle_loss({**diff, name: x - eps * direction})) / (2 * eps)
-    got = float(np.sum(np.asarray(grads[name], np.float64) * direction))
-    scale = np.linalg.norm(grads[name]) * np.linalg.norm(direction)
-    assert np.all(np.isfinite(np.asarray(grads[name]))), name
-    assert abs(got - expected) <= 1e-3 * abs(expected) + 1e-4 * scale, (name, got, expected)
+  check_gradients(cfg, *make_case(cfg, seed=4), rtol=1e-3, atol=1e-4)
