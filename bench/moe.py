@@ -4,8 +4,8 @@
 
 On a GPU, bfloat16:
 - grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
-  Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine), jax.lax.ragged_dot,
-  and a dense matmul of the same FLOPs (2*m*k*n);
+  Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine, and the opt-in
+  cudnn engine), jax.lax.ragged_dot, and a dense matmul of the same FLOPs (2*m*k*n);
 - GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") against XLA's two dots
   and the gating; effective FLOPs 2*m*k*2n;
 - moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), against the same
@@ -86,12 +86,14 @@ def grouped_cases(shapes, dtype):
       sizes = group_sizes(m, g, split)
       engines = {
           "cudnn_jax.grouped_gemm": lambda l, r, s, d: grouped_gemm(l, r, s),
+          "cudnn_jax.grouped_gemm cudnn": lambda l, r, s, d: grouped_gemm(
+              l, r, s, implementation="cudnn"),
           "lax.ragged_dot": lambda l, r, s, d: jax.lax.ragged_dot(l, r, s),
           "dense matmul": lambda l, r, s, d: l @ d,
       }
       case = f"grouped m{m} k{k} n{n} g{g} {split}"
       rows += measure(case, engines, (lhs, rhs, sizes, dense_rhs), 2.0 * m * k * n,
-                      compare=list(engines)[:2])
+                      compare=list(engines)[:3])
   return rows
 
 
@@ -158,12 +160,12 @@ def run(quick, dtype):
   return rows
 
 
-HEADER = f"{'case':<44} {'engine':<24} {'ms':>9} {'TFLOP/s':>8} {'rel diff':>9}"
+HEADER = f"{'case':<44} {'engine':<30} {'ms':>9} {'TFLOP/s':>8} {'rel diff':>9}"
 
 
 def print_row(r):
   f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
-  line = (f"{r['case']:<44} {r['engine']:<24} {f('ms', '.3f'):>9} {f('tflops', '.3g'):>8} "
+  line = (f"{r['case']:<44} {r['engine']:<30} {f('ms', '.3f'):>9} {f('tflops', '.3g'):>8} "
           f"{f('rel_diff_vs_first', '.1e'):>9}")
   print(line + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
 

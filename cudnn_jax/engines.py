@@ -4,7 +4,8 @@ Every op has engines registered under a name ("cudnn", "cute", "xla"). An engine
 ``supports(call) -> str | None`` check over static facts (shapes, dtypes, flags, backend,
 GPU generation) that returns ``None`` when it can serve the call and otherwise the reason,
 plus ``run(call, *arrays)``. ``implementation=None`` tries engines in preference order and
-ends at ``"xla"``, which serves every valid call.
+ends at ``"xla"``, which serves every valid call. An engine registered ``opt_in`` (one not
+yet validated on hardware) serves only calls that name it in ``implementation``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Engine:
   name: str
   supports: Callable[[Any], str | None]
   run: Callable[..., Any]
+  opt_in: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,10 @@ def register_op(op: str, prepare: Callable[..., Any]) -> None:
   _OPS[op] = _Op(prepare, {})
 
 
-def register_engine(op: str, name: str, *, supports, run) -> None:
+def register_engine(op: str, name: str, *, supports, run, opt_in=False) -> None:
   if name not in ENGINE_NAMES:
     raise ValueError(f"unknown engine name {name!r}; expected one of {ENGINE_NAMES}")
-  _OPS[op].engines[name] = Engine(name, supports, run)
+  _OPS[op].engines[name] = Engine(name, supports, run, opt_in)
 
 
 def _requested(implementation) -> tuple[tuple[str, ...], bool]:
@@ -61,16 +63,17 @@ def _requested(implementation) -> tuple[tuple[str, ...], bool]:
   return names, True
 
 
-def reasons(op: str, call) -> dict[str, str | None]:
-  """Each registered engine's verdict on ``call``: None (can serve) or why not."""
-  out = {}
-  for name in ENGINE_NAMES:
-    engine = _OPS[op].engines.get(name)
-    out[name] = "no such engine for this op" if engine is None else _verdict(engine, call)
-  return out
+def reasons(op: str, call, explicit: bool = False) -> dict[str, str | None]:
+  """Each registered engine's verdict on ``call``: None (can serve) or why not;
+  ``explicit``: the engines are named in ``implementation`` (opt-in engines may serve)."""
+  return {name: _verdict(_OPS[op].engines.get(name), call, explicit) for name in ENGINE_NAMES}
 
 
-def _verdict(engine: Engine, call) -> str | None:
+def _verdict(engine: Engine | None, call, explicit: bool) -> str | None:
+  if engine is None:
+    return "no such engine for this op"
+  if engine.opt_in and not explicit:
+    return "opt-in engine: serves only calls that name it in implementation="
   try:
     return engine.supports(call)
   except Exception as e:  # a failing check is a decline, never a crash of the op
@@ -83,7 +86,7 @@ def choose(op: str, call, implementation) -> Engine:
   declined = []
   for name in names:
     engine = _OPS[op].engines.get(name)
-    why = "no such engine for this op" if engine is None else _verdict(engine, call)
+    why = _verdict(engine, call, explicit)
     if why is None:
       return engine
     declined.append(f"{name}: {why}")
@@ -125,7 +128,7 @@ def explain(fn_name: str, *args, **kwargs) -> str:
   op = _OPS[fn_name]
   implementation = kwargs.get("implementation")
   call = _prepare_abstract(op.prepare, args, kwargs)
-  verdicts = reasons(fn_name, call)
+  verdicts = reasons(fn_name, call, explicit=implementation is not None)
   try:
     chosen = choose(fn_name, call, implementation).name
     head = f"{fn_name}: engine {chosen!r} serves this call"

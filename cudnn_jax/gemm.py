@@ -196,3 +196,76 @@ def _run_grouped_xla(call: GroupedGemmCall, x: GroupedGemmInputs):
 engines.register_op("grouped_gemm", lambda *a, **kw: _prepare_grouped(*a, **kw)[0])
 engines.register_engine("grouped_gemm", "xla", supports=lambda call: None,
                         run=_run_grouped_xla)
+
+
+# The cudnn engine: cuDNN's MoE grouped matmul node for the products, the epilogue in XLA.
+# Opt-in until measured on hardware.
+
+
+def _grouped_matmul_check(dtype, m, k, n, groups):
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  return _extension.module().grouped_matmul_check(
+      dict(dtype=dtype, m=m, k=k, n=n, groups=groups)) or None
+
+
+def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  if why := _extension.unavailable_reason():
+    return why
+  if call.dtype not in ("bfloat16", "float16"):
+    return f"dtype {call.dtype}: cuDNN's grouped matmul runs bfloat16 and float16 only"
+  columns = call.n * (2 if call.glu else 1)
+  # The forward product, and the lhs gradient (the same node against rhs as stored).
+  return (_grouped_matmul_check(call.dtype, call.m, call.k, columns, call.groups)
+          or _grouped_matmul_check(call.dtype, call.m, columns, call.k, call.groups))
+
+
+def _grouped_matmul_ffi(lhs, rhs_nk, offsets):
+  """The FFI handler: group g's rows start at ``offsets[g]``; the last group runs to M."""
+  return jax.ffi.ffi_call(
+      "cudnn_jax_grouped_matmul",
+      jax.ShapeDtypeStruct((lhs.shape[0], rhs_nk.shape[1]), lhs.dtype),
+      vmap_method="sequential")(lhs, rhs_nk, offsets)
+
+
+def _cudnn_matmul(lhs, rhs_nk, group_sizes):
+  """``[M, N]`` in lhs's dtype: rows of group g times ``rhs_nk[g].T`` (``rhs_nk [G, N, K]``);
+  rows past ``sum(group_sizes)`` are 0."""
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)[:-1]])
+  out = _grouped_matmul_ffi(lhs, rhs_nk, offsets.astype(jnp.int32))
+  rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
+
+
+@jax.custom_vjp
+def _cudnn_grouped_product(lhs, rhs, group_sizes):
+  """``grouped_product`` on cuDNN: float32 ``[M, N]`` (the node rounds to lhs's dtype)."""
+  # The node reads weights K-fastest; rhs [G, K, N] is N-fastest, so it is transposed once.
+  return _cudnn_matmul(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes).astype(jnp.float32)
+
+
+def _cudnn_grouped_product_fwd(lhs, rhs, group_sizes):
+  return _cudnn_grouped_product(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _cudnn_grouped_product_bwd(res, ct):
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  lhs, rhs, group_sizes = res
+  ct = ct.astype(lhs.dtype)
+  d_lhs = _cudnn_matmul(ct, rhs, group_sizes)  # rhs [G, K, N] is [G][K][N]: N-fastest
+  d_rhs = ref.grouped_outer(lhs, ct, group_sizes)
+  return d_lhs, d_rhs.astype(rhs.dtype), None
+
+
+_cudnn_grouped_product.defvjp(_cudnn_grouped_product_fwd, _cudnn_grouped_product_bwd)
+
+
+def _run_grouped_cudnn(call: GroupedGemmCall, x: GroupedGemmInputs):
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  y = ref.grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
+                       glu=call.glu, product=_cudnn_grouped_product)
+  return y.astype(call.out_dtype)
+
+
+engines.register_engine("grouped_gemm", "cudnn", supports=_supports_grouped_cudnn,
+                        run=_run_grouped_cudnn, opt_in=True)

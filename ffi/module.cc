@@ -8,6 +8,7 @@
 
 #include "common/cudnn_runtime.h"
 #include "common/plan_cache.h"
+#include "grouped_matmul_cudnn.h"
 #include "sdpa_cudnn.h"
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
 #include "aot_axpy.h"
@@ -29,6 +30,7 @@ nb::dict registrations() {
   nb::dict out;
   out["cudnn_jax_sdpa_fwd"] = handler_capsule(CudnnJaxSdpaFwd);
   out["cudnn_jax_sdpa_bwd"] = handler_capsule(CudnnJaxSdpaBwd);
+  out["cudnn_jax_grouped_matmul"] = handler_capsule(CudnnJaxGroupedMatmul);
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
   out["cudnn_jax_aot_axpy"] = handler_capsule(CudnnJaxAotAxpy);
 #endif
@@ -55,14 +57,14 @@ nb::list aot_kernels() {
 // Config values may be Python or NumPy scalars (np.bool_, np.int32, np.float32).
 nb::handle entry(const nb::dict& d, const char* name) {
   if (!d.contains(name)) {
-    throw nb::value_error(("sdpa_check: config lacks '" + std::string(name) + "'").c_str());
+    throw nb::value_error(("config lacks '" + std::string(name) + "'").c_str());
   }
   return d[name];
 }
 
 [[noreturn]] void wrong_type(const char* name, const char* want) {
   throw nb::type_error(
-      ("sdpa_check: config['" + std::string(name) + "'] must be " + want).c_str());
+      ("config['" + std::string(name) + "'] must be " + want).c_str());
 }
 
 bool as_bool(const nb::dict& d, const char* name) {
@@ -104,7 +106,7 @@ xla::ffi::DataType parse_dtype(const std::string& name) {
   if (name == "bfloat16") return xla::ffi::DataType::BF16;
   if (name == "float16") return xla::ffi::DataType::F16;
   if (name == "float32") return xla::ffi::DataType::F32;
-  throw nb::value_error(("sdpa_check: unknown dtype '" + name + "'").c_str());
+  throw nb::value_error(("unknown dtype '" + name + "'").c_str());
 }
 
 cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
@@ -140,6 +142,17 @@ std::string sdpa_check(const nb::dict& config) {
   return cudnn_jax::sdpa_check(c);
 }
 
+std::string grouped_matmul_check(const nb::dict& d) {
+  cudnn_jax::GroupedMatmulConfig c;
+  c.dtype = parse_dtype(as_string(d, "dtype"));
+  c.m = as_int(d, "m");
+  c.k = as_int(d, "k");
+  c.n = as_int(d, "n");
+  c.groups = as_int(d, "groups");
+  nb::gil_scoped_release release;
+  return cudnn_jax::grouped_matmul_check(c);
+}
+
 nb::dict cache_info() {
   cudnn_jax::PlanCacheInfo info = cudnn_jax::PlanCache::global().info();
   nb::dict out;
@@ -160,6 +173,9 @@ NB_MODULE(_ffi, m) {
   m.def("sdpa_check", &sdpa_check, nb::arg("config"),
         "'' when cuDNN can serve this SDPA configuration on the current device, else why "
         "not. Builds and caches the plan.");
+  m.def("grouped_matmul_check", &grouped_matmul_check, nb::arg("config"),
+        "'' when cuDNN can serve this grouped matmul (dtype, m, k, n, groups) on the current "
+        "device, else why not. Builds and caches the plan.");
   m.def("aot_kernels", &aot_kernels,
         "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
   m.def("cache_info", &cache_info, "Counters of the process-wide cuDNN plan cache.");

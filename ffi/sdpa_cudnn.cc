@@ -302,60 +302,11 @@ std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHa
 // Finds or builds the plan of `c` on `device`; on failure returns null with *error set.
 std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& c, int device, DeviceHandle** handle,
                                      std::string* error) {
-  const char* op = op_name(c);
-  if (const std::string& why = load_cudnn(); !why.empty()) {
-    *error = stage_message(op, "load", why);
-    return nullptr;
-  }
-  std::string err;
-  *handle = device_handle(device, &err);
-  if (*handle == nullptr) {
-    *error = stage_message(op, "handle", err);
-    return nullptr;
-  }
-  DeviceHandle& h = **handle;
-  auto plan = PlanCache::global().get_or_build(cache_key(c, device),
-                                               [&] { return build_plan(c, device, h); });
-  if (!plan->graph) {
-    *error = plan->error;
-    return nullptr;
-  }
-  return plan;
-}
-
-int stream_device(cudaStream_t stream, std::string* error) {
-  int device = -1;
-  if (cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
-  cudaGetLastError();
-  return current_device(error);
+  return find_plan(op_name(c), cache_key(c, device), device, handle,
+                   [&](DeviceHandle& h) { return build_plan(c, device, h); }, error);
 }
 
 // ---- argument decoding -------------------------------------------------------------
-
-std::string dims_text(ffi::Span<const int64_t> dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
-  return out + "]";
-}
-
-// Checks a buffer's dtype and shape; "" when they match.
-std::string expect(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
-                   std::initializer_list<int64_t> dims) {
-  if (buf.element_type() != dtype) {
-    return std::string(name) + ": expected dtype " + dtype_name(dtype) + ", got " +
-           dtype_name(buf.element_type());
-  }
-  auto got = buf.dimensions();
-  bool same = got.size() == dims.size();
-  for (size_t i = 0; same && i < dims.size(); ++i) same = got[i] == dims.begin()[i];
-  if (!same) {
-    std::string want = "[";
-    size_t i = 0;
-    for (int64_t d : dims) want += (i++ ? "," : "") + std::to_string(d);
-    return std::string(name) + ": expected shape " + want + "], got " + dims_text(got);
-  }
-  return "";
-}
 
 struct Optionals {
   std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens;

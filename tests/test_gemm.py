@@ -1,6 +1,7 @@
 """gemm and grouped_gemm on the "xla" engine (CPU) against the float64 oracle of SPEC 4."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -300,9 +301,19 @@ def test_grouped_gemm_bad_input_names_the_argument(change, error, match):
 
 @pytest.mark.parametrize("impl", ["cudnn", "cute", ("cudnn", "cute")])
 def test_unregistered_engines_raise_unsupported(impl):
-  for fn, args in ((gemm, (_A, _B)), (grouped_gemm, (_L, _R, _G))):
-    with pytest.raises(cudnn_jax.UnsupportedError, match="no such engine"):
-      fn(*args, implementation=impl)
+  with pytest.raises(cudnn_jax.UnsupportedError, match="no such engine"):
+    gemm(_A, _B, implementation=impl)
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cute: no such engine"):
+    grouped_gemm(_L, _R, _G, implementation=impl if "cute" in impl else "cute")
+
+
+def test_grouped_gemm_cudnn_engine_is_opt_in():
+  s = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  args = [s(x.astype(jnp.bfloat16)) for x in (_L, _R)] + [s(_G)]
+  text = cudnn_jax.explain("grouped_gemm", *args)
+  assert "'xla' serves" in text and "cudnn: declines: opt-in engine" in text
+  text = cudnn_jax.explain("grouped_gemm", *args, implementation="cudnn")
+  assert "opt-in" not in text  # named explicitly: its own check decides
 
 
 def test_engine_sequence_falls_back_to_xla():
@@ -319,3 +330,33 @@ def test_explain_with_shape_structs():
   assert "no requested engine" in text
   with pytest.raises(ValueError, match="b"):
     cudnn_jax.explain("gemm", s(_A), s(jnp.ones((7, 6))))
+
+
+def test_grouped_gemm_cudnn_engine_python_side(monkeypatch):
+  """The cudnn engine's wiring (weight layouts, offsets, masked tail, VJP) with the FFI
+  handler replaced by a NumPy-free emulation of cuDNN's node: group g's rows start at
+  offsets[g], the last group runs to M (so the tail must be masked)."""
+  gemm_module = importlib.import_module("cudnn_jax.gemm")
+
+  def node(lhs, rhs_nk, offsets):
+    gid = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= offsets[None, 1:], axis=1)
+    return jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32),
+                      rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
+
+  monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", node)
+  lhs, rhs, sizes, bias = grouped_case(jnp.float32, "swiglu", [3, 0, 4], m=9, k=6, n=5)
+  ct = normal(7, (9, 5))
+
+  def grads(product):
+    def f(lhs, rhs, bias):
+      from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+      return ref.grouped_gemm(lhs, rhs, sizes, bias, glu="swiglu", product=product)
+    out, pull = jax.vjp(f, lhs, rhs, bias)
+    return (out,) + pull(ct)
+
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  got = grads(gemm_module._cudnn_grouped_product)  # pylint: disable=protected-access
+  want = grads(ref.grouped_product)
+  assert np.all(np.asarray(got[0])[7:] == 0)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -89,6 +89,11 @@ def _ragged_outer_vmap(axis_size, in_batched, lhs, ct, group_sizes):
   return jax.vmap(_ragged_outer)(*_batched(axis_size, in_batched, lhs, ct, group_sizes)), True
 
 
+def grouped_outer(lhs, ct, group_sizes):
+  """``out[g] = lhs[rows of g].T @ ct[rows of g]``, float32 ``[G, K, N]``; vmappable."""
+  return _ragged_outer_vmappable(lhs, ct, group_sizes)
+
+
 @jax.custom_vjp
 def grouped_product(lhs, rhs, group_sizes):
   """``lhs [M, K]`` sorted by group times ``rhs [G, K, N]``: float32 ``[M, N]``, 0 past
@@ -104,22 +109,25 @@ def _grouped_product_bwd(res, ct):
   lhs, rhs, group_sizes = res
   ct = ct.astype(lhs.dtype)  # as a fused kernel reads it: input precision, float32 sums
   d_lhs = _ragged_dot_vmappable(ct, jnp.swapaxes(rhs, 1, 2), group_sizes)
-  d_rhs = _ragged_outer_vmappable(lhs, ct, group_sizes)
+  d_rhs = grouped_outer(lhs, ct, group_sizes)
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 
 grouped_product.defvjp(_grouped_product_fwd, _grouped_product_bwd)
 
 
-def grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+def grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None,
+                 product=grouped_product):
   """Row ``i`` of group ``g``: ``epilogue(lhs[i] @ rhs[g] + bias[g])``, float32 ``[M, N]``.
 
   ``lhs [M, K]`` sorted by group, ``rhs [G, K, C]``, ``group_sizes [G]`` int32,
-  ``bias [G, C]``. Rows past ``sum(group_sizes)`` are exactly 0.
+  ``bias [G, C]``. Rows past ``sum(group_sizes)`` are exactly 0. ``product`` computes
+  ``lhs @ rhs`` per group with ``grouped_product``'s contract (float32, 0 past the last
+  group, differentiable); GPU engines pass their own.
   """
-  h = grouped_product(lhs, rhs, group_sizes)
+  h = product(lhs, rhs, group_sizes)
   if bias is None and activation is None and glu is None:
-    return h  # ragged_dot already writes 0 past the last group
+    return h  # products are 0 past the last group
   gid = group_ids(group_sizes, lhs.shape[0])
   row_bias = None
   if bias is not None:

@@ -221,4 +221,61 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+std::shared_ptr<CachedPlan> find_plan(
+    std::string_view op, const std::string& key, int device, DeviceHandle** handle,
+    const std::function<std::shared_ptr<CachedPlan>(DeviceHandle&)>& build, std::string* error) {
+  if (const std::string& why = load_cudnn(); !why.empty()) {
+    *error = stage_message(op, "load", why);
+    return nullptr;
+  }
+  std::string err;
+  *handle = device_handle(device, &err);
+  if (*handle == nullptr) {
+    *error = stage_message(op, "handle", err);
+    return nullptr;
+  }
+  DeviceHandle& h = **handle;
+  auto plan = PlanCache::global().get_or_build(key, [&] { return build(h); });
+  if (!plan->graph) {
+    *error = plan->error;
+    return nullptr;
+  }
+  return plan;
+}
+
+int stream_device(cudaStream_t stream, std::string* error) {
+  int device = -1;
+  if (cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
+  cudaGetLastError();
+  return current_device(error);
+}
+
+namespace {
+
+std::string dims_text(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+std::string expect(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                   std::initializer_list<int64_t> dims) {
+  if (buf.element_type() != dtype) {
+    return std::string(name) + ": expected dtype " + dtype_name(dtype) + ", got " +
+           dtype_name(buf.element_type());
+  }
+  auto got = buf.dimensions();
+  bool same = got.size() == dims.size();
+  for (size_t i = 0; same && i < dims.size(); ++i) same = got[i] == dims.begin()[i];
+  if (!same) {
+    std::string want = "[";
+    size_t i = 0;
+    for (int64_t d : dims) want += (i++ ? "," : "") + std::to_string(d);
+    return std::string(name) + ": expected shape " + want + "], got " + dims_text(got);
+  }
+  return "";
+}
+
 }  // namespace cudnn_jax

@@ -6,6 +6,9 @@
 #include <cudnn_frontend.h>
 
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,5 +41,18 @@ std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::stri
 ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
                     ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
                     std::string_view op);
+
+// The cached plan of `key` on `device`, built by `build` on a miss (cuDNN loaded and the
+// device's handle created first); null with *error set when cuDNN cannot serve the key.
+std::shared_ptr<CachedPlan> find_plan(
+    std::string_view op, const std::string& key, int device, DeviceHandle** handle,
+    const std::function<std::shared_ptr<CachedPlan>(DeviceHandle&)>& build, std::string* error);
+
+// The device `stream` belongs to (the current device when CUDA cannot say), or -1.
+int stream_device(cudaStream_t stream, std::string* error);
+
+// Checks a buffer's dtype and shape; "" when they match, else what differs.
+std::string expect(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                   std::initializer_list<int64_t> dims);
 
 }  // namespace cudnn_jax

@@ -1,0 +1,92 @@
+"""The opt-in "cudnn" engine of cudnn_jax.grouped_gemm (cuDNN's MoE grouped matmul node)
+against the xla engine and the float64 oracle, over random group splits: empty groups,
+rows past sum(group_sizes), every epilogue, bf16 and f16. Outputs are poisoned
+(CUDNN_JAX_POISON_OUTPUTS, set by conftest.py)."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_jax
+import gemm_oracle as oracle
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 2e-2  # ||a - b|| / ||b||
+
+
+def rel_err(actual, expected):
+  a, b = oracle.f64(actual), np.asarray(expected, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_case(rng):
+  """(lhs, rhs, group_sizes, bias or None, activation, glu) of one random call."""
+  groups = int(rng.choice([1, 2, 8, 13, 64]))
+  m = int(rng.choice([1, 7, 128, 1000, 4096]))
+  k, n = (int(rng.choice([64, 128, 136, 512])) for _ in range(2))
+  activation, glu = oracle.EPILOGUES[rng.integers(len(oracle.EPILOGUES))]
+  dtype = rng.choice(["bfloat16", "float16"])
+  used = int(m if rng.random() < 0.7 else rng.integers(0, m + 1))  # a tail past the groups
+  weights = rng.dirichlet(np.full(groups, 0.5))
+  sizes = np.floor(weights * used).astype(np.int64)
+  sizes[rng.integers(groups)] += used - sizes.sum()
+  if groups > 2 and rng.random() < 0.5:
+    sizes[rng.integers(groups)] = 0  # an empty group
+  cols = 2 * n if glu else n
+  normal = lambda *shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape), dtype)
+  bias = normal(groups, cols) if rng.random() < 0.5 else None
+  return (normal(m, k), normal(groups, k, cols, scale=k ** -0.5),
+          jnp.asarray(sizes, jnp.int32), bias, activation, glu)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "glu", "implementation"))
+def run(lhs, rhs, sizes, bias, cotangent, *, activation, glu, implementation):
+  """(out, gradients of lhs, rhs and bias for ``cotangent``) on one engine."""
+  diff = dict(lhs=lhs, rhs=rhs) | ({} if bias is None else dict(bias=bias))
+
+  def f(d):
+    return cudnn_jax.grouped_gemm(d["lhs"], d["rhs"], sizes, bias=d.get("bias"),
+                                  activation=activation, glu=glu,
+                                  implementation=implementation)
+  out, pull = jax.vjp(f, diff)
+  return out, pull(cotangent.astype(out.dtype))[0]
+
+
+def test_grouped_gemm_cudnn_sweep(capsys):
+  rng = np.random.default_rng(7)
+  records = []
+  for i in range(40):
+    case = random_case(rng)
+    lhs, rhs, sizes, bias, activation, glu = case
+    record = dict(i=i, m=lhs.shape[0], k=lhs.shape[1], cols=rhs.shape[2],
+                  groups=rhs.shape[0], sizes_sum=int(sizes.sum()), dtype=str(lhs.dtype),
+                  bias=bias is not None, epilogue=activation or glu or "none")
+    n = rhs.shape[2] // (2 if glu else 1)
+    cotangent = jnp.asarray(rng.standard_normal((lhs.shape[0], n)), jnp.float32)
+    on = lambda engine: run(lhs, rhs, sizes, bias, cotangent, activation=activation, glu=glu,
+                            implementation=engine)
+    try:
+      out, grads = on("cudnn")
+    except cudnn_jax.UnsupportedError as e:
+      record.update(status="declined", reason=str(e)[:300])
+    else:
+      ref_out, ref_grads = on("xla")
+      errors = {"out": rel_err(out, ref_out),
+                "out vs oracle": rel_err(out, oracle.grouped_gemm(*case[:4], activation, glu))}
+      errors.update({f"d{k}": rel_err(g, ref_grads[k]) for k, g in grads.items()})
+      tail = np.asarray(out, np.float32)[int(sizes.sum()):]
+      problems = [f"{k}: {v:.3g}" for k, v in errors.items() if not v <= REL_TOL]
+      if np.any(tail != 0):
+        problems.append("rows past sum(group_sizes) are not 0")
+      record.update(status="failed" if problems else "ok", errors=errors, problems=problems)
+    records.append(record)
+    with capsys.disabled():
+      print(json.dumps(record), flush=True)
+  failed = [r for r in records if r["status"] == "failed"]
+  assert any(r["status"] == "ok" for r in records), records
+  assert not failed, failed
