@@ -5,7 +5,8 @@
 On a GPU, bfloat16:
 - grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
   Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine, and the opt-in
-  cudnn engine), jax.lax.ragged_dot, and a dense matmul of the same FLOPs (2*m*k*n);
+  cudnn and cute engines), jax.lax.ragged_dot, and a dense matmul of the same FLOPs
+  (2*m*k*n);
 - GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") against XLA's two dots
   and the gating; effective FLOPs 2*m*k*2n;
 - moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), against the same
@@ -88,12 +89,14 @@ def grouped_cases(shapes, dtype):
           "cudnn_jax.grouped_gemm": lambda l, r, s, d: grouped_gemm(l, r, s),
           "cudnn_jax.grouped_gemm cudnn": lambda l, r, s, d: grouped_gemm(
               l, r, s, implementation="cudnn"),
+          "cudnn_jax.grouped_gemm cute": lambda l, r, s, d: grouped_gemm(
+              l, r, s, implementation="cute"),
           "lax.ragged_dot": lambda l, r, s, d: jax.lax.ragged_dot(l, r, s),
           "dense matmul": lambda l, r, s, d: l @ d,
       }
       case = f"grouped m{m} k{k} n{n} g{g} {split}"
       rows += measure(case, engines, (lhs, rhs, sizes, dense_rhs), 2.0 * m * k * n,
-                      compare=list(engines)[:3])
+                      compare=list(engines)[:4])
   return rows
 
 

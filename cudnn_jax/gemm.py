@@ -198,8 +198,57 @@ engines.register_engine("grouped_gemm", "xla", supports=lambda call: None,
                         run=_run_grouped_xla)
 
 
-# The cudnn engine: cuDNN's MoE grouped matmul node for the products, the epilogue in XLA.
-# Opt-in until measured on hardware.
+# GPU engines: a grouped matmul on the device for the products, the epilogue in XLA.
+# Both are opt-in until measured on hardware.
+
+
+def _grouped_product_on(matmul):
+  """``grouped_product``'s contract on a GPU grouped matmul ``matmul(lhs, w, group_sizes)``
+  (``w [G, K, N]``; lhs's dtype out, 0 past the last group): the lhs gradient runs on the
+  same matmul against the transposed weights, the rhs gradient on XLA."""
+
+  @jax.custom_vjp
+  def product(lhs, rhs, group_sizes):
+    return matmul(lhs, rhs, group_sizes).astype(jnp.float32)
+
+  def fwd(lhs, rhs, group_sizes):
+    return product(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+  def bwd(res, ct):
+    from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+    lhs, rhs, group_sizes = res
+    ct = ct.astype(lhs.dtype)
+    d_lhs = matmul(ct, jnp.swapaxes(rhs, 1, 2), group_sizes)
+    return d_lhs, ref.grouped_outer(lhs, ct, group_sizes).astype(rhs.dtype), None
+
+  product.defvjp(fwd, bwd)
+  return product
+
+
+def _past_groups_zero(out, group_sizes):
+  rows = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _run_grouped_on(product):
+  def run(call: GroupedGemmCall, x: GroupedGemmInputs):
+    from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+    y = ref.grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
+                         glu=call.glu, product=product)
+    return y.astype(call.out_dtype)
+  return run
+
+
+def _gpu_reason(call: GroupedGemmCall) -> str | None:
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  if why := _extension.unavailable_reason():
+    return why
+  if call.dtype not in ("bfloat16", "float16"):
+    return f"dtype {call.dtype}: bfloat16 and float16 only"
+  return None
+
+
+# "cudnn": cuDNN's MoE grouped matmul node.
 
 
 def _grouped_matmul_check(dtype, m, k, n, groups):
@@ -209,14 +258,10 @@ def _grouped_matmul_check(dtype, m, k, n, groups):
 
 
 def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
-  if why := _extension.unavailable_reason():
-    return why
-  if call.dtype not in ("bfloat16", "float16"):
-    return f"dtype {call.dtype}: cuDNN's grouped matmul runs bfloat16 and float16 only"
   columns = call.n * (2 if call.glu else 1)
   # The forward product, and the lhs gradient (the same node against rhs as stored).
-  return (_grouped_matmul_check(call.dtype, call.m, call.k, columns, call.groups)
+  return (_gpu_reason(call)
+          or _grouped_matmul_check(call.dtype, call.m, call.k, columns, call.groups)
           or _grouped_matmul_check(call.dtype, call.m, columns, call.k, call.groups))
 
 
@@ -228,44 +273,54 @@ def _grouped_matmul_ffi(lhs, rhs_nk, offsets):
       vmap_method="sequential")(lhs, rhs_nk, offsets)
 
 
-def _cudnn_matmul(lhs, rhs_nk, group_sizes):
-  """``[M, N]`` in lhs's dtype: rows of group g times ``rhs_nk[g].T`` (``rhs_nk [G, N, K]``);
-  rows past ``sum(group_sizes)`` are 0."""
+def _cudnn_matmul(lhs, rhs, group_sizes):
+  # The node reads weights K-fastest ([G, N, K]); XLA cancels the transpose where rhs
+  # already comes transposed (the lhs gradient).
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)[:-1]])
-  out = _grouped_matmul_ffi(lhs, rhs_nk, offsets.astype(jnp.int32))
-  rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
+  out = _grouped_matmul_ffi(lhs, jnp.swapaxes(rhs, 1, 2), offsets.astype(jnp.int32))
+  return _past_groups_zero(out, group_sizes)
 
 
-@jax.custom_vjp
-def _cudnn_grouped_product(lhs, rhs, group_sizes):
-  """``grouped_product`` on cuDNN: float32 ``[M, N]`` (the node rounds to lhs's dtype)."""
-  # The node reads weights K-fastest; rhs [G, K, N] is N-fastest, so it is transposed once.
-  return _cudnn_matmul(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes).astype(jnp.float32)
-
-
-def _cudnn_grouped_product_fwd(lhs, rhs, group_sizes):
-  return _cudnn_grouped_product(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
-
-
-def _cudnn_grouped_product_bwd(res, ct):
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  lhs, rhs, group_sizes = res
-  ct = ct.astype(lhs.dtype)
-  d_lhs = _cudnn_matmul(ct, rhs, group_sizes)  # rhs [G, K, N] is [G][K][N]: N-fastest
-  d_rhs = ref.grouped_outer(lhs, ct, group_sizes)
-  return d_lhs, d_rhs.astype(rhs.dtype), None
-
-
-_cudnn_grouped_product.defvjp(_cudnn_grouped_product_fwd, _cudnn_grouped_product_bwd)
-
-
-def _run_grouped_cudnn(call: GroupedGemmCall, x: GroupedGemmInputs):
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  y = ref.grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
-                       glu=call.glu, product=_cudnn_grouped_product)
-  return y.astype(call.out_dtype)
-
-
+_cudnn_grouped_product = _grouped_product_on(_cudnn_matmul)
 engines.register_engine("grouped_gemm", "cudnn", supports=_supports_grouped_cudnn,
-                        run=_run_grouped_cudnn, opt_in=True)
+                        run=_run_grouped_on(_cudnn_grouped_product), opt_in=True)
+
+
+# "cute": our CuTe DSL kernel (kernels/grouped_gemm_sm90.py), compiled ahead of time.
+
+_CUTE_TILE_M = 128  # the kernel's row tile
+
+
+def _supports_grouped_cute(call: GroupedGemmCall) -> str | None:
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  if why := _gpu_reason(call):
+    return why
+  variant = "grouped_gemm_" + ("bf16" if call.dtype == "bfloat16" else "f16")
+  if variant not in _extension.aot_kernels():
+    return f"the extension was built without the AOT kernel {variant}"
+  columns = call.n * (2 if call.glu else 1)
+  if call.k % 8 or columns % 8:
+    return f"K={call.k} and N={columns} must be multiples of 8 (16-byte rows for TMA)"
+  return None
+
+
+def _cute_grouped_gemm_ffi(lhs, rhs, tile_starts, row_starts):
+  return jax.ffi.ffi_call(
+      "cudnn_jax_cute_grouped_gemm",
+      jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
+      vmap_method="sequential")(lhs, rhs, tile_starts, row_starts)
+
+
+def _cute_matmul(lhs, rhs, group_sizes):
+  zero = jnp.zeros((1,), jnp.int32)
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), lhs.shape[0])
+  row_starts = jnp.concatenate([zero, ends]).astype(jnp.int32)
+  tiles = -(-jnp.diff(row_starts) // _CUTE_TILE_M)
+  tile_starts = jnp.concatenate([zero, jnp.cumsum(tiles)]).astype(jnp.int32)
+  out = _cute_grouped_gemm_ffi(lhs, rhs, tile_starts, row_starts)
+  return _past_groups_zero(out, group_sizes)
+
+
+_cute_grouped_product = _grouped_product_on(_cute_matmul)
+engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
+                        run=_run_grouped_on(_cute_grouped_product), opt_in=True)

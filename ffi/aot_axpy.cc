@@ -8,7 +8,7 @@
 #include <limits>
 #include <string>
 
-#include "aot_axpy.h"
+#include "aot_kernels_ffi.h"
 #include "aot_kernels.h"
 #include "common/aot_module.h"
 #include "common/buffers.h"

@@ -11,7 +11,7 @@
 #include "grouped_matmul_cudnn.h"
 #include "sdpa_cudnn.h"
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
-#include "aot_axpy.h"
+#include "aot_kernels_ffi.h"
 #include "aot_kernels.h"
 #endif
 
@@ -33,6 +33,7 @@ nb::dict registrations() {
   out["cudnn_jax_grouped_matmul"] = handler_capsule(CudnnJaxGroupedMatmul);
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
   out["cudnn_jax_aot_axpy"] = handler_capsule(CudnnJaxAotAxpy);
+  out["cudnn_jax_cute_grouped_gemm"] = handler_capsule(CudnnJaxCuteGroupedGemm);
 #endif
   return out;
 }

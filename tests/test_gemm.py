@@ -303,8 +303,8 @@ def test_grouped_gemm_bad_input_names_the_argument(change, error, match):
 def test_unregistered_engines_raise_unsupported(impl):
   with pytest.raises(cudnn_jax.UnsupportedError, match="no such engine"):
     gemm(_A, _B, implementation=impl)
-  with pytest.raises(cudnn_jax.UnsupportedError, match="cute: no such engine"):
-    grouped_gemm(_L, _R, _G, implementation=impl if "cute" in impl else "cute")
+  with pytest.raises(cudnn_jax.UnsupportedError, match="default backend is 'cpu'"):
+    grouped_gemm(_L, _R, _G, implementation=impl)
 
 
 def test_grouped_gemm_cudnn_engine_is_opt_in():
@@ -332,31 +332,45 @@ def test_explain_with_shape_structs():
     cudnn_jax.explain("gemm", s(_A), s(jnp.ones((7, 6))))
 
 
-def test_grouped_gemm_cudnn_engine_python_side(monkeypatch):
-  """The cudnn engine's wiring (weight layouts, offsets, masked tail, VJP) with the FFI
-  handler replaced by a NumPy-free emulation of cuDNN's node: group g's rows start at
-  offsets[g], the last group runs to M (so the tail must be masked)."""
+def _node_emulation(lhs, rhs_nk, offsets):
+  """cuDNN's MoE grouped matmul node: group g's rows start at offsets[g], the last group
+  runs to M (the rows past the groups hold its products, which the engine must mask)."""
+  gid = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= offsets[None, 1:], axis=1)
+  return jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32),
+                    rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
+
+
+def _kernel_emulation(lhs, rhs, tile_starts, row_starts):
+  """kernels/grouped_gemm_sm90.py: rows of group g in [row_starts[g], row_starts[g+1]),
+  every other row left as it was (here: NaN, as the poisoned GPU tests leave it)."""
+  del tile_starts
+  rows = jnp.arange(lhs.shape[0])
+  gid = jnp.sum(rows[:, None] >= row_starts[None, 1:-1], axis=1)
+  out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[gid].astype(jnp.float32))
+  inside = (rows >= row_starts[0]) & (rows < row_starts[-1])
+  return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
+
+
+@pytest.mark.parametrize("engine,ffi,emulation", [
+    ("cudnn", "_grouped_matmul_ffi", _node_emulation),
+    ("cute", "_cute_grouped_gemm_ffi", _kernel_emulation)])
+def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, ffi, emulation):
+  """A GPU engine's wiring (weight layouts, offsets, masked tail, VJP) with its FFI call
+  replaced by an emulation, against the xla engine's product."""
   gemm_module = importlib.import_module("cudnn_jax.gemm")
-
-  def node(lhs, rhs_nk, offsets):
-    gid = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= offsets[None, 1:], axis=1)
-    return jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32),
-                      rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
-
-  monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", node)
+  monkeypatch.setattr(gemm_module, ffi, emulation)
+  product = getattr(gemm_module, f"_{engine}_grouped_product")
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   lhs, rhs, sizes, bias = grouped_case(jnp.float32, "swiglu", [3, 0, 4], m=9, k=6, n=5)
   ct = normal(7, (9, 5))
 
   def grads(product):
-    def f(lhs, rhs, bias):
-      from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-      return ref.grouped_gemm(lhs, rhs, sizes, bias, glu="swiglu", product=product)
+    f = lambda lhs, rhs, bias: ref.grouped_gemm(lhs, rhs, sizes, bias, glu="swiglu",
+                                                product=product)
     out, pull = jax.vjp(f, lhs, rhs, bias)
     return (out,) + pull(ct)
 
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  got = grads(gemm_module._cudnn_grouped_product)  # pylint: disable=protected-access
-  want = grads(ref.grouped_product)
+  got, want = grads(product), grads(ref.grouped_product)
   assert np.all(np.asarray(got[0])[7:] == 0)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

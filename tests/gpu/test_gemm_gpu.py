@@ -1,7 +1,7 @@
-"""The opt-in "cudnn" engine of cudnn_jax.grouped_gemm (cuDNN's MoE grouped matmul node)
-against the xla engine and the float64 oracle, over random group splits: empty groups,
-rows past sum(group_sizes), every epilogue, bf16 and f16. Outputs are poisoned
-(CUDNN_JAX_POISON_OUTPUTS, set by conftest.py)."""
+"""The opt-in GPU engines of cudnn_jax.grouped_gemm ("cudnn": cuDNN's MoE grouped matmul
+node; "cute": kernels/grouped_gemm_sm90.py) against the xla engine and the float64 oracle,
+over random group splits: empty groups, rows past sum(group_sizes), every epilogue, bf16
+and f16, gradients. Outputs are poisoned (CUDNN_JAX_POISON_OUTPUTS, set by conftest.py)."""
 
 import functools
 import json
@@ -57,21 +57,22 @@ def run(lhs, rhs, sizes, bias, cotangent, *, activation, glu, implementation):
   return out, pull(cotangent.astype(out.dtype))[0]
 
 
-def test_grouped_gemm_cudnn_sweep(capsys):
+@pytest.mark.parametrize("engine", ["cudnn", "cute"])
+def test_grouped_gemm_gpu_engine_sweep(engine, capsys):
   rng = np.random.default_rng(7)
   records = []
   for i in range(40):
     case = random_case(rng)
     lhs, rhs, sizes, bias, activation, glu = case
-    record = dict(i=i, m=lhs.shape[0], k=lhs.shape[1], cols=rhs.shape[2],
+    record = dict(engine=engine, i=i, m=lhs.shape[0], k=lhs.shape[1], cols=rhs.shape[2],
                   groups=rhs.shape[0], sizes_sum=int(sizes.sum()), dtype=str(lhs.dtype),
                   bias=bias is not None, epilogue=activation or glu or "none")
     n = rhs.shape[2] // (2 if glu else 1)
     cotangent = jnp.asarray(rng.standard_normal((lhs.shape[0], n)), jnp.float32)
-    on = lambda engine: run(lhs, rhs, sizes, bias, cotangent, activation=activation, glu=glu,
-                            implementation=engine)
+    on = lambda impl: run(lhs, rhs, sizes, bias, cotangent, activation=activation, glu=glu,
+                          implementation=impl)
     try:
-      out, grads = on("cudnn")
+      out, grads = on(engine)
     except cudnn_jax.UnsupportedError as e:
       record.update(status="declined", reason=str(e)[:300])
     else:
