@@ -131,11 +131,26 @@ class GroupedGemm:
       acc.fill(0.0)
       tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc += A B throughout
 
-      # Warp 0 keeps up to stages - 1 K tiles in flight; every warp consumes them in order.
+      # Warp 0 keeps up to stages - 1 K tiles in flight; every warp consumes them in order,
+      # with one tile's MMAs running while the next are issued, so a stage is released one
+      # tile late, and the load refilling it is issued after that release.
       k_tiles = cute.size(gA, mode=[2])
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
       consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+      release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       for k in cutlass.range(k_tiles + self.stages - 1, unroll=1):
+        if k >= self.stages - 1:
+          loads.consumer_wait(consume)
+          cute.nvgpu.warpgroup.fence()
+          for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, consume.index)],
+                      tCrB[(None, None, kb, consume.index)], acc)
+          cute.nvgpu.warpgroup.commit_group()
+          cute.nvgpu.warpgroup.wait_group(1)  # the previous tile's MMAs are done
+          if k >= self.stages:
+            loads.consumer_release(release)
+            release.advance()
+          consume.advance()
         if warp == 0 and produce.count < k_tiles:
           loads.producer_acquire(produce)
           barrier = loads.producer_get_barrier(produce)
@@ -145,16 +160,7 @@ class GroupedGemm:
                     tma_bar_ptr=barrier)
           loads.producer_commit(produce)
           produce.advance()
-        if k >= self.stages - 1:
-          loads.consumer_wait(consume)
-          cute.nvgpu.warpgroup.fence()
-          for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, consume.index)],
-                      tCrB[(None, None, kb, consume.index)], acc)
-          cute.nvgpu.warpgroup.commit_group()
-          cute.nvgpu.warpgroup.wait_group(0)
-          loads.consumer_release(consume)
-          consume.advance()
+      cute.nvgpu.warpgroup.wait_group(0)
 
       # Epilogue: convert, then store only this group's rows (and columns inside N).
       rC = cute.make_rmem_tensor(tCgC.shape, self.dtype)
