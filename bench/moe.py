@@ -9,8 +9,8 @@ On a GPU, bfloat16:
   (2*m*k*n);
 - GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") against XLA's two dots
   and the gating; effective FLOPs 2*m*k*2n;
-- moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), against the same
-  layer written with jax.lax.ragged_dot; FLOPs 3 * 6*T*k*D*F.
+- moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), default and opt-in
+  engines, against the same layer written with jax.lax.ragged_dot; FLOPs 3 * 6*T*k*D*F.
 Each row: the median wall time of 20 jitted calls (block_until_ready around each) after
 warm-up, and TFLOP/s. With --quick: tiny shapes (float32 on CPU), a smoke test.
 Writes DIR/moe.json (DIR defaults to bench/results).
@@ -19,6 +19,7 @@ Writes DIR/moe.json (DIR defaults to bench/results).
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import time
 
@@ -143,7 +144,10 @@ def moe_case(t, d, f, e, top_k, dtype):
       return jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_up, w_down)
     return step
 
+  on = lambda engine: functools.partial(moe_mlp, implementation=engine)
   engines = {"cudnn_jax.moe_mlp": fwd_bwd(moe_mlp),
+             "cudnn_jax.moe_mlp cudnn": fwd_bwd(on("cudnn")),
+             "cudnn_jax.moe_mlp cute": fwd_bwd(on("cute")),
              "lax.ragged_dot layer": fwd_bwd(ragged_dot_moe)}
   flops = 3 * 6.0 * t * top_k * d * f
   return measure(f"moe_mlp fwd+bwd T{t} D{d} F{f} E{e} top{top_k}", engines,

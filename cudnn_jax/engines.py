@@ -50,6 +50,11 @@ def register_engine(op: str, name: str, *, supports, run, opt_in=False) -> None:
   _OPS[op].engines[name] = Engine(name, supports, run, opt_in)
 
 
+def engine(op: str, name: str) -> Engine:
+  """The registered engine ``name`` of ``op``."""
+  return _OPS[op].engines[name]
+
+
 def _requested(implementation) -> tuple[tuple[str, ...], bool]:
   """Engine names to try, and whether the user named them explicitly."""
   if implementation is None:

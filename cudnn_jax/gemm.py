@@ -324,3 +324,7 @@ def _cute_matmul(lhs, rhs, group_sizes):
 _cute_grouped_product = _grouped_product_on(_cute_matmul)
 engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
                         run=_run_grouped_on(_cute_grouped_product), opt_in=True)
+
+
+# The grouped products of the GPU engines, by engine name (moe_mlp's engines use them too).
+grouped_products = {"cudnn": _cudnn_grouped_product, "cute": _cute_grouped_product}

@@ -124,3 +124,38 @@ def _run_xla(call: MoeCall, x: MoeInputs):
 
 engines.register_op("moe_mlp", lambda *a, **kw: _prepare(*a, **kw)[0])
 engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_xla)
+
+
+# GPU engines: the grouped GEMM engines of the same name run both projections (opt-in, as
+# those are).
+
+
+def _projections(call: MoeCall):
+  """The two grouped GEMMs of ``call`` as grouped_gemm calls (for their engines' checks)."""
+  from cudnn_jax.gemm import GroupedGemmCall  # pylint: disable=g-import-not-at-top
+  rows = call.tokens * call.top_k
+  up = GroupedGemmCall(m=rows, k=call.d, n=call.f, groups=call.experts, dtype=call.dtype,
+                       out_dtype=call.dtype, activation=call.activation, glu=call.glu)
+  down = GroupedGemmCall(m=rows, k=call.f, n=call.d, groups=call.experts, dtype=call.dtype,
+                         out_dtype=call.dtype)
+  return up, down
+
+
+def _register_gpu_engine(name):
+  from cudnn_jax import gemm  # pylint: disable=g-import-not-at-top
+  grouped = engines.engine("grouped_gemm", name)
+
+  def supports(call: MoeCall):
+    up, down = _projections(call)
+    return grouped.supports(up) or grouped.supports(down)
+
+  def run(call: MoeCall, x: MoeInputs):
+    from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
+    return ref.moe_mlp(*x, glu=call.glu, activation=call.activation,
+                       product=gemm.grouped_products[name])
+
+  engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=True)
+
+
+for _name in ("cudnn", "cute"):
+  _register_gpu_engine(_name)

@@ -105,3 +105,31 @@ def grads64(fn, args, argnums, cotangent, **kwargs):
             for i, a in enumerate(args)]
     loss = lambda *a: jnp.sum(fn(*a, **kwargs) * jnp.asarray(f64(cotangent)))
     return [np.asarray(g) for g in jax.grad(loss, argnums=argnums)(*args)]
+
+
+# Emulations of the GPU engines' FFI calls (to test their Python side on any backend).
+
+
+def node_emulation(lhs, rhs_nk, offsets):
+  """cuDNN's MoE grouped matmul node: group g's rows start at offsets[g], the last group
+  runs to M (the rows past the groups hold its products, which the engine must mask)."""
+  gid = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= offsets[None, 1:], axis=1)
+  return jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32),
+                    rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
+
+
+def kernel_emulation(lhs, rhs, tile_starts, row_starts):
+  """kernels/grouped_gemm_sm90.py: rows of group g in [row_starts[g], row_starts[g+1]),
+  every other row left as it was (here: NaN, as the poisoned GPU tests leave it)."""
+  del tile_starts
+  rows = jnp.arange(lhs.shape[0])
+  gid = jnp.sum(rows[:, None] >= row_starts[None, 1:-1], axis=1)
+  out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[gid].astype(jnp.float32))
+  inside = (rows >= row_starts[0]) & (rows < row_starts[-1])
+  return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
+
+
+def emulate_gpu_ffi(monkeypatch, gemm_module):
+  """Replaces the FFI calls of cudnn_jax.gemm's GPU engines by the emulations above."""
+  monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", node_emulation)
+  monkeypatch.setattr(gemm_module, "_cute_grouped_gemm_ffi", kernel_emulation)

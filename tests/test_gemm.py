@@ -332,34 +332,13 @@ def test_explain_with_shape_structs():
     cudnn_jax.explain("gemm", s(_A), s(jnp.ones((7, 6))))
 
 
-def _node_emulation(lhs, rhs_nk, offsets):
-  """cuDNN's MoE grouped matmul node: group g's rows start at offsets[g], the last group
-  runs to M (the rows past the groups hold its products, which the engine must mask)."""
-  gid = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= offsets[None, 1:], axis=1)
-  return jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32),
-                    rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
-
-
-def _kernel_emulation(lhs, rhs, tile_starts, row_starts):
-  """kernels/grouped_gemm_sm90.py: rows of group g in [row_starts[g], row_starts[g+1]),
-  every other row left as it was (here: NaN, as the poisoned GPU tests leave it)."""
-  del tile_starts
-  rows = jnp.arange(lhs.shape[0])
-  gid = jnp.sum(rows[:, None] >= row_starts[None, 1:-1], axis=1)
-  out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[gid].astype(jnp.float32))
-  inside = (rows >= row_starts[0]) & (rows < row_starts[-1])
-  return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
-
-
-@pytest.mark.parametrize("engine,ffi,emulation", [
-    ("cudnn", "_grouped_matmul_ffi", _node_emulation),
-    ("cute", "_cute_grouped_gemm_ffi", _kernel_emulation)])
-def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, ffi, emulation):
+@pytest.mark.parametrize("engine", ["cudnn", "cute"])
+def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine):
   """A GPU engine's wiring (weight layouts, offsets, masked tail, VJP) with its FFI call
   replaced by an emulation, against the xla engine's product."""
   gemm_module = importlib.import_module("cudnn_jax.gemm")
-  monkeypatch.setattr(gemm_module, ffi, emulation)
-  product = getattr(gemm_module, f"_{engine}_grouped_product")
+  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
+  product = gemm_module.grouped_products[engine]
   from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   lhs, rhs, sizes, bias = grouped_case(jnp.float32, "swiglu", [3, 0, 4], m=9, k=6, n=5)
   ct = normal(7, (9, 5))

@@ -1,6 +1,7 @@
 """moe_mlp on the "xla" engine (CPU) against a dense float64 loop over tokens and experts."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +191,24 @@ def test_engines_and_explain():
   structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _ARGS.items()}
   text = cudnn_jax.explain("moe_mlp", *structs.values(), glu="geglu")
   assert "'xla' serves" in text and "cute: declines" in text
+
+
+@pytest.mark.parametrize("engine", ["cudnn", "cute"])
+def test_gpu_engine_python_side(monkeypatch, engine):
+  """moe_mlp's GPU engines (both projections on a GPU grouped product) with the FFI calls
+  emulated, against the xla engine: values and gradients."""
+  gemm_module = importlib.import_module("cudnn_jax.gemm")
+  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
+  from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
+  x, idx, weights, w_up, w_down = moe_case()
+
+  def loss(product, *diff):
+    y = ref.moe_mlp(diff[0], idx, *diff[1:], glu="swiglu", activation=None, product=product)
+    return jnp.sum(jnp.sin(y))
+
+  args = (x, weights, w_up, w_down)
+  got = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(gemm_module.grouped_products[engine],
+                                                      *args)
+  want = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(ref.ref_gemm.grouped_product, *args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
