@@ -7,8 +7,8 @@ On a GPU, bfloat16:
   Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine, and the opt-in
   cudnn and cute engines), jax.lax.ragged_dot, and a dense matmul of the same FLOPs
   (2*m*k*n);
-- GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") against XLA's two dots
-  and the gating; effective FLOPs 2*m*k*2n;
+- GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") (default and the
+  opt-in cute engine) against XLA's two dots and the gating; effective FLOPs 2*m*k*2n;
 - moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), default and opt-in
   engines, against the same layer written with jax.lax.ragged_dot; FLOPs 3 * 6*T*k*D*F.
 Each row: the median wall time of 20 jitted calls (block_until_ready around each) after
@@ -110,6 +110,8 @@ def swiglu_case(m, n, k, dtype):
     return jax.nn.silu(gate) * up
 
   engines = {"cudnn_jax.gemm swiglu": lambda a, b: gemm(a, b, glu="swiglu"),
+             "cudnn_jax.gemm swiglu cute": lambda a, b: gemm(a, b, glu="swiglu",
+                                                             implementation="cute"),
              "xla two dots": two_dots}
   return measure(f"gemm+swiglu m{m} n{n} k{k}", engines, (a, b), 2.0 * m * k * 2 * n)
 

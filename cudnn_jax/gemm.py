@@ -8,6 +8,7 @@ end, to ``out_dtype`` (default: the input dtype).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -324,6 +325,28 @@ def _cute_matmul(lhs, rhs, group_sizes):
 _cute_grouped_product = _grouped_product_on(_cute_matmul)
 engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
                         run=_run_grouped_on(_cute_grouped_product), opt_in=True)
+
+
+def _as_one_group(call: GemmCall) -> GroupedGemmCall:
+  rows = math.prod(call.batch) * call.m
+  return GroupedGemmCall(m=rows, k=call.k, n=call.n, groups=1, dtype=call.dtype,
+                         out_dtype=call.out_dtype, has_bias=call.has_bias,
+                         activation=call.activation, glu=call.glu)
+
+
+def _run_gemm_cute(call: GemmCall, x: GemmInputs):
+  """gemm as a grouped GEMM of one group on the same kernel; the epilogue in XLA."""
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  a = x.a.reshape(-1, call.k)
+  h = _cute_grouped_product(a, x.b[None], jnp.full((1,), a.shape[0], jnp.int32))
+  h = h.reshape(*call.batch, call.m, x.b.shape[1])
+  y = epilogue.apply(h, x.bias, activation=call.activation, glu=call.glu)
+  return ref.finish(y, call.out_dtype, call.return_amax)
+
+
+engines.register_engine("gemm", "cute",
+                        supports=lambda call: _supports_grouped_cute(_as_one_group(call)),
+                        run=_run_gemm_cute, opt_in=True)
 
 
 # The grouped products of the GPU engines, by engine name (moe_mlp's engines use them too).

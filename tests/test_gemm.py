@@ -301,7 +301,7 @@ def test_grouped_gemm_bad_input_names_the_argument(change, error, match):
 
 @pytest.mark.parametrize("impl", ["cudnn", "cute", ("cudnn", "cute")])
 def test_unregistered_engines_raise_unsupported(impl):
-  with pytest.raises(cudnn_jax.UnsupportedError, match="no such engine"):
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: no such engine|cute: default"):
     gemm(_A, _B, implementation=impl)
   with pytest.raises(cudnn_jax.UnsupportedError, match="default backend is 'cpu'"):
     grouped_gemm(_L, _R, _G, implementation=impl)
@@ -353,3 +353,24 @@ def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine):
   assert np.all(np.asarray(got[0])[7:] == 0)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("glu", [None, "swiglu"])
+def test_gemm_cute_engine_python_side(monkeypatch, glu):
+  """gemm's cute engine (one group on the grouped kernel) with the FFI call emulated,
+  against the xla engine: batch dims, bias, epilogue, amax, gradients."""
+  gemm_module = importlib.import_module("cudnn_jax.gemm")
+  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
+  a, b, bias = gemm_case(jnp.float32, glu, batch=(2, 3), m=5, k=16, n=8)
+  call, inputs = gemm_module._prepare_gemm(  # pylint: disable=protected-access
+      a, b, bias=bias, glu=glu, activation=None if glu else "gelu", return_amax=True)
+
+  def value(run, a, b, bias):
+    out, amax = run(call, inputs._replace(a=a, b=b, bias=bias))
+    return jnp.sum(jnp.sin(out)) + amax
+
+  for f in (value, jax.grad(value, argnums=(1, 2, 3))):
+    got = f(gemm_module._run_gemm_cute, a, b, bias)  # pylint: disable=protected-access
+    want = f(gemm_module._run_gemm_xla, a, b, bias)  # pylint: disable=protected-access
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -117,3 +117,28 @@ def test_moe_mlp_gpu_engine_matches_xla(engine):
   want = run(x, weights, w_up, w_down, implementation="xla")
   for name, g, w in zip(["y", "dx", "dweights", "dw_up", "dw_down"], got, want):
     assert rel_err(g, oracle.f64(w)) <= REL_TOL, name
+
+
+@pytest.mark.parametrize("shape,glu,activation", [
+    ((2, 1000, 512, 256), "swiglu", None),
+    ((1, 4096, 1024, 1024), None, "gelu"),
+    ((3, 7, 64, 136), None, None)])
+def test_gemm_cute_engine_matches_xla(shape, glu, activation):
+  """gemm on the grouped kernel (one group): output, amax and gradients vs the xla engine."""
+  rng = np.random.default_rng(4)
+  batch, m, k, n = shape
+  cols = 2 * n if glu else n
+  bf16 = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), jnp.bfloat16)
+  a, b, bias = bf16(batch, m, k), bf16(k, cols, scale=k ** -0.5), bf16(cols)
+  ct = jnp.asarray(rng.standard_normal((batch, m, n)), jnp.float32)
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def run(a, b, bias, implementation):
+    f = lambda a, b, bias: cudnn_jax.gemm(a, b, bias=bias, glu=glu, activation=activation,
+                                          return_amax=True, implementation=implementation)
+    (out, amax), pull = jax.vjp(f, a, b, bias)
+    return (out, amax) + pull((ct.astype(out.dtype), jnp.zeros((), jnp.float32)))
+
+  got, want = run(a, b, bias, implementation="cute"), run(a, b, bias, implementation="xla")
+  for name, g, w in zip(["out", "amax", "da", "db", "dbias"], got, want):
+    assert rel_err(g, oracle.f64(w)) <= REL_TOL, name
