@@ -1,0 +1,160 @@
+"""Flax (linen) layers on cudnn_jax ops.
+
+``dot_product_attention`` has flax's ``attention_fn`` signature, so
+``flax.linen.MultiHeadDotProductAttention(..., attention_fn=dot_product_attention)`` runs
+on ``cudnn_jax.sdpa`` unchanged. ``MultiHeadAttention``, ``KimiDeltaAttention`` and
+``MoEMLP`` are whole layers; every one takes ``implementation`` (passed to the op).
+Needs ``flax`` (``pip install cudnn-jax[flax]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import cudnn_jax
+
+
+def _flat_batch(x, batch, tail):
+  """x broadcast to ``batch + x.shape[-tail:]`` with the batch dims folded into one."""
+  x = jnp.broadcast_to(x, batch + x.shape[x.ndim - tail:])
+  return x.reshape((-1,) + x.shape[len(batch):])
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None):
+  """flax's ``attention_fn`` on ``cudnn_jax.sdpa``: ``query [batch..., T, N, H]``,
+  ``key [batch..., S, K, H]``, ``value [batch..., S, K, Hv]``; ``bias`` and ``mask``
+  (nonzero keeps) broadcast to ``[batch..., N, T, S]``. Returns ``[batch..., T, N, Hv]``.
+
+  ``dtype`` casts the inputs. Dropout (when not ``deterministic``) is sdpa's, with a mask
+  per batch element and head whatever ``broadcast_dropout`` says. ``precision`` and
+  ``module`` are not used: the attention weights are never formed, so none are sown.
+  """
+  del broadcast_dropout, precision, module
+  if mask is not None:
+    mask = mask.astype(jnp.bool_)  # flax masks may be 0/1 floats
+  if dtype is not None:
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+  rate = 0.0 if deterministic else float(dropout_rate)
+  kwargs = dict(dropout_rate=rate, dropout_rng=dropout_rng if rate > 0 else None)
+  if query.ndim <= 4:
+    return cudnn_jax.sdpa(query, key, value, bias, mask, **kwargs)
+  batch = query.shape[:-3]
+  q, k, v = (_flat_batch(x, batch, 3) for x in (query, key, value))
+  bias, mask = (None if x is None else _flat_batch(x, batch, 3) for x in (bias, mask))
+  out = cudnn_jax.sdpa(q, k, v, bias, mask, **kwargs)
+  return out.reshape(batch + out.shape[1:])
+
+
+class MultiHeadAttention(nn.Module):
+  """Self-attention: ``x [..., T, features] -> [..., T, features]``.
+
+  Query heads ``num_heads``, key/value heads ``num_kv_heads`` (default: num_heads; fewer
+  is GQA/MQA), each ``head_dim`` wide; ``segment_ids [..., T]`` keeps attention inside
+  packed sequences. The decode-time paged KV cache is not available yet.
+  """
+  num_heads: int
+  head_dim: int
+  num_kv_heads: int | None = None
+  is_causal: bool = False
+  local_window_size: Any = None
+  dtype: Any = None
+  implementation: Any = None
+
+  @nn.compact
+  def __call__(self, x, *, segment_ids=None, decode=False):
+    if decode:
+      raise NotImplementedError("decode: the paged KV cache (sdpa_paged) is not available yet")
+    kv_heads = self.num_kv_heads or self.num_heads
+    dense = lambda heads, name: nn.DenseGeneral((heads, self.head_dim), dtype=self.dtype,
+                                                name=name)
+    q, k, v = dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x), dense(
+        kv_heads, "value")(x)
+    batch = x.shape[:-2]
+    q, k, v = (x.reshape((-1,) + x.shape[len(batch):]) for x in (q, k, v))
+    seg = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
+    out = cudnn_jax.sdpa(q, k, v, is_causal=self.is_causal,
+                         local_window_size=self.local_window_size, q_segment_ids=seg,
+                         kv_segment_ids=seg, implementation=self.implementation)
+    out = out.reshape(batch + out.shape[1:])
+    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
+
+
+class KimiDeltaAttention(nn.Module):
+  """Kimi Delta Attention layer: ``x [B, T, features] -> (y [B, T, features], state)``.
+
+  Projections to q, k (``num_heads`` x ``head_dim``) and v (``num_v_heads`` x
+  ``head_dim``); a per-channel gate computed in the kernel (``-exp(a_log) *
+  softplus(g + dt_bias)``), beta through a sigmoid, q/k l2-normalized; then a per-head RMS
+  norm of the output times a sigmoid output gate, and the output projection. ``state``
+  (float32 ``[B, num_v_heads, head_dim, head_dim]``) continues a sequence, e.g. decoding.
+  """
+  num_heads: int
+  head_dim: int
+  num_v_heads: int | None = None
+  dtype: Any = None
+  implementation: Any = None
+
+  @nn.compact
+  def __call__(self, x, state=None):
+    b, t, features = x.shape
+    hv, d = self.num_v_heads or self.num_heads, self.head_dim
+    dense = lambda width, name, **kw: nn.Dense(width, dtype=self.dtype, name=name, **kw)
+    heads = lambda y, n: y.reshape(b, t, n, -1)
+    q = heads(dense(self.num_heads * d, "q_proj", use_bias=False)(x), self.num_heads)
+    k = heads(dense(self.num_heads * d, "k_proj", use_bias=False)(x), self.num_heads)
+    v = heads(dense(hv * d, "v_proj", use_bias=False)(x), hv)
+    g = heads(dense(hv * d, "g_proj", use_bias=False)(x), hv).astype(jnp.float32)
+    beta = dense(hv, "b_proj", use_bias=False)(x).astype(jnp.float32)
+    a_log = self.param("a_log", lambda key: jnp.log(jax.random.uniform(key, (hv,), minval=1.0,
+                                                                       maxval=16.0)))
+    dt_bias = self.param("dt_bias", nn.initializers.zeros, (hv * d,))
+    o, state = cudnn_jax.kda(
+        q, k, v, g, beta, initial_state=state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True, implementation=self.implementation)
+    o = nn.RMSNorm(dtype=self.dtype, name="o_norm")(o)
+    gate = heads(dense(hv * d, "o_gate", use_bias=False)(x), hv)
+    o = (o * jax.nn.sigmoid(gate)).reshape(b, t, hv * d)
+    return dense(features, "o_proj", use_bias=False)(o), state
+
+
+class MoEMLP(nn.Module):
+  """Mixture-of-experts MLP: ``x [..., features] -> [..., features]``.
+
+  A bias-free router picks ``top_k`` of ``num_experts`` per token (softmax over the chosen
+  logits), each expert is ``glu`` (or ``activation`` with glu=None) with ``hidden_dim``
+  units, on ``cudnn_jax.moe_mlp``.
+  """
+  num_experts: int
+  top_k: int
+  hidden_dim: int
+  glu: str | None = "swiglu"
+  activation: str | None = None
+  dtype: Any = None
+  implementation: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    shape, d = x.shape, x.shape[-1]
+    tokens = x.reshape(-1, d)
+    if self.dtype is not None:
+      tokens = tokens.astype(self.dtype)
+    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, name="router")(
+        tokens)
+    top_logits, experts = jax.lax.top_k(logits, self.top_k)
+    weights = jax.nn.softmax(top_logits, axis=-1).astype(tokens.dtype)
+    up_cols = self.hidden_dim * (2 if self.glu else 1)
+    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    w_up = self.param("w_up", init, (self.num_experts, d, up_cols)).astype(tokens.dtype)
+    w_down = self.param("w_down", init, (self.num_experts, self.hidden_dim, d)).astype(
+        tokens.dtype)
+    y = cudnn_jax.moe_mlp(tokens, experts.astype(jnp.int32), weights, w_up, w_down,
+                          glu=self.glu, activation=self.activation,
+                          implementation=self.implementation)
+    return y.reshape(shape[:-1] + (d,))

@@ -1,0 +1,105 @@
+"""cudnn_jax.flax_modules (linen) against flax's own layers and plain-JAX definitions."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cudnn_jax import flax_modules as fm
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def normal(seed, shape, scale=1.0):
+  return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("batch", [(3,), (2, 3)])
+def test_attention_fn_in_flax_multi_head_attention(batch):
+  x = normal(0, batch + (10, 16))
+  mask = nn.make_causal_mask(jnp.ones(batch + (10,)))
+  make = lambda **kw: nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, **kw)
+  params = make().init(jax.random.key(0), x, mask=mask)
+  want = make().apply(params, x, mask=mask)
+  got = make(attention_fn=fm.dot_product_attention).apply(params, x, mask=mask)
+  np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_attention_fn_dropout_is_off_when_deterministic():
+  q, k, v = (normal(i, (2, 8, 2, 4)) for i in range(3))
+  rng = jax.random.key(3)
+  plain = fm.dot_product_attention(q, k, v)
+  off = fm.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=0.5, deterministic=True)
+  on = fm.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=0.5)
+  np.testing.assert_array_equal(off, plain)
+  assert on.shape == plain.shape and not np.allclose(on, plain)
+
+
+def _heads(dense_params, x):
+  return jnp.einsum("...d,dnh->...nh", x, dense_params["kernel"]) + dense_params["bias"]
+
+
+@pytest.mark.parametrize("with_segments", [False, True])
+def test_multi_head_attention_matches_its_definition(with_segments):
+  x = normal(1, (2, 12, 16))
+  seg = jnp.asarray([[0] * 5 + [1] * 7, [0] * 12], jnp.int32) if with_segments else None
+  layer = fm.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, is_causal=True)
+  params = layer.init(jax.random.key(0), x, segment_ids=seg)
+  got = layer.apply(params, x, segment_ids=seg)
+  p = params["params"]
+  q, k, v = (_heads(p[n], x) for n in ("query", "key", "value"))
+  mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
+  o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+  want = jnp.einsum("btnh,nhd->btd", o, p["out"]["kernel"]) + p["out"]["bias"]
+  np.testing.assert_allclose(got, want, **TOL)
+  with pytest.raises(NotImplementedError, match="decode"):
+    layer.apply(params, x, decode=True)
+
+
+def test_kimi_delta_attention_state_continues_a_sequence():
+  x = normal(2, (2, 16, 24))
+  layer = fm.KimiDeltaAttention(num_heads=2, head_dim=8, num_v_heads=4)
+  params = layer.init(jax.random.key(0), x)
+  y, state = layer.apply(params, x)
+  y1, s1 = layer.apply(params, x[:, :10])
+  y2, s2 = layer.apply(params, x[:, 10:], s1)
+  assert y.shape == x.shape and state.shape == (2, 4, 8, 8)
+  np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(s2, state, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_mlp_layer_matches_dense_experts():
+  x = normal(3, (2, 7, 16))
+  layer = fm.MoEMLP(num_experts=4, top_k=2, hidden_dim=8)
+  params = layer.init(jax.random.key(0), x)
+  got = layer.apply(params, x)
+  p = params["params"]
+  tokens = x.reshape(-1, 16)
+  top, idx = jax.lax.top_k(tokens @ p["router"]["kernel"], 2)
+  weights = jax.nn.softmax(top, -1)
+  h = jnp.einsum("td,edc->tec", tokens, p["w_up"])
+  gate, up = jnp.split(h, 2, -1)
+  out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, p["w_down"])  # every expert
+  picked = jnp.take_along_axis(out, idx[:, :, None], axis=1)
+  want = jnp.einsum("tkd,tk->td", picked, weights).reshape(x.shape)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layer", [
+    fm.MultiHeadAttention(num_heads=2, head_dim=4, local_window_size=(3, 0)),
+    fm.KimiDeltaAttention(num_heads=2, head_dim=4),
+    fm.MoEMLP(num_experts=3, top_k=1, hidden_dim=4, glu=None, activation="gelu")],
+    ids=["mha", "kda", "moe"])
+def test_layers_train_under_jit(layer):
+  x = normal(4, (2, 9, 8))
+  params = layer.init(jax.random.key(0), x)
+
+  def loss(params):
+    y = layer.apply(params, x)
+    return jnp.sum(jnp.sin(y[0] if isinstance(y, tuple) else y))
+
+  grads = jax.jit(jax.grad(loss))(params)
+  leaves = jax.tree.leaves(grads)
+  assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
+  assert any(np.any(g != 0) for g in leaves)
