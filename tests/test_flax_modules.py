@@ -103,3 +103,32 @@ def test_layers_train_under_jit(layer):
   leaves = jax.tree.leaves(grads)
   assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
   assert any(np.any(g != 0) for g in leaves)
+
+
+def _load(module, params):
+  """Copies a linen parameter tree into the nnx module of the same layer."""
+  for name, value in params.items():
+    attr = getattr(module, name)
+    if isinstance(value, dict):
+      _load(attr, value)
+    else:
+      attr[...] = value
+
+
+@pytest.mark.parametrize("name", ["mha", "kda", "moe"])
+def test_nnx_layers_equal_linen_layers(name):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.flax_modules import nnx as fnnx  # pylint: disable=g-import-not-at-top
+  x = normal(5, (2, 9, 16))
+  rngs = nnx.Rngs(0)
+  linen, nnx_layer = {
+      "mha": (fm.MultiHeadAttention(4, 8, num_kv_heads=2, is_causal=True),
+              fnnx.MultiHeadAttention(16, 4, 8, num_kv_heads=2, is_causal=True, rngs=rngs)),
+      "kda": (fm.KimiDeltaAttention(2, 8, num_v_heads=4),
+              fnnx.KimiDeltaAttention(16, 2, 8, num_v_heads=4, rngs=rngs)),
+      "moe": (fm.MoEMLP(4, 2, 8), fnnx.MoEMLP(16, 4, 2, 8, rngs=rngs)),
+  }[name]
+  params = linen.init(jax.random.key(1), x)
+  _load(nnx_layer, params["params"])
+  for got, want in zip(jax.tree.leaves(nnx_layer(x)), jax.tree.leaves(linen.apply(params, x))):
+    np.testing.assert_allclose(got, want, **TOL)

@@ -4,7 +4,8 @@
 ``flax.linen.MultiHeadDotProductAttention(..., attention_fn=dot_product_attention)`` runs
 on ``cudnn_jax.sdpa`` unchanged. ``MultiHeadAttention``, ``KimiDeltaAttention`` and
 ``MoEMLP`` are whole layers; every one takes ``implementation`` (passed to the op).
-Needs ``flax`` (``pip install cudnn-jax[flax]``).
+``cudnn_jax.flax_modules.nnx`` has the same layers for ``flax.nnx``. Needs ``flax``
+(``pip install cudnn-jax[flax]``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,45 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   return out.reshape(batch + out.shape[1:])
 
 
+# The layers' math on projected arrays, shared by the linen classes below and ``nnx``.
+
+
+def self_attention(q, k, v, *, segment_ids, is_causal, local_window_size, implementation):
+  """``q [..., T, N, H]``, ``k``/``v [..., T, K, H]``, ``segment_ids [..., T]`` or None."""
+  batch = q.shape[:-3]
+  q, k, v = (x.reshape((-1,) + x.shape[len(batch):]) for x in (q, k, v))
+  seg = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
+  out = cudnn_jax.sdpa(q, k, v, is_causal=is_causal, local_window_size=local_window_size,
+                       q_segment_ids=seg, kv_segment_ids=seg, implementation=implementation)
+  return out.reshape(batch + out.shape[1:])
+
+
+def kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, implementation):
+  """The KDA layer's recurrence: gate in the kernel, beta sigmoid, q/k l2-normalized."""
+  return cudnn_jax.kda(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+                       initial_state=state, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, a_log=a_log,
+                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+                       implementation=implementation)
+
+
+def a_log_init(key, shape, dtype=jnp.float32):
+  """log of decay rates drawn uniformly from [1, 16]."""
+  return jnp.log(jax.random.uniform(key, shape, dtype, minval=1.0, maxval=16.0))
+
+
+def mixture(tokens, logits, w_up, w_down, *, top_k, glu, activation, implementation):
+  """Top-k routing (softmax over the chosen logits) and ``moe_mlp``: ``tokens [T, D]``."""
+  top_logits, experts = jax.lax.top_k(logits, top_k)
+  weights = jax.nn.softmax(top_logits, axis=-1).astype(tokens.dtype)
+  return cudnn_jax.moe_mlp(tokens, experts.astype(jnp.int32), weights,
+                           w_up.astype(tokens.dtype), w_down.astype(tokens.dtype), glu=glu,
+                           activation=activation, implementation=implementation)
+
+
+EXPERT_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
 class MultiHeadAttention(nn.Module):
   """Self-attention: ``x [..., T, features] -> [..., T, features]``.
 
@@ -73,15 +113,10 @@ class MultiHeadAttention(nn.Module):
     kv_heads = self.num_kv_heads or self.num_heads
     dense = lambda heads, name: nn.DenseGeneral((heads, self.head_dim), dtype=self.dtype,
                                                 name=name)
-    q, k, v = dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x), dense(
-        kv_heads, "value")(x)
-    batch = x.shape[:-2]
-    q, k, v = (x.reshape((-1,) + x.shape[len(batch):]) for x in (q, k, v))
-    seg = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
-    out = cudnn_jax.sdpa(q, k, v, is_causal=self.is_causal,
-                         local_window_size=self.local_window_size, q_segment_ids=seg,
-                         kv_segment_ids=seg, implementation=self.implementation)
-    out = out.reshape(batch + out.shape[1:])
+    out = self_attention(
+        dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x),
+        dense(kv_heads, "value")(x), segment_ids=segment_ids, is_causal=self.is_causal,
+        local_window_size=self.local_window_size, implementation=self.implementation)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 
@@ -109,15 +144,11 @@ class KimiDeltaAttention(nn.Module):
     q = heads(dense(self.num_heads * d, "q_proj", use_bias=False)(x), self.num_heads)
     k = heads(dense(self.num_heads * d, "k_proj", use_bias=False)(x), self.num_heads)
     v = heads(dense(hv * d, "v_proj", use_bias=False)(x), hv)
-    g = heads(dense(hv * d, "g_proj", use_bias=False)(x), hv).astype(jnp.float32)
-    beta = dense(hv, "b_proj", use_bias=False)(x).astype(jnp.float32)
-    a_log = self.param("a_log", lambda key: jnp.log(jax.random.uniform(key, (hv,), minval=1.0,
-                                                                       maxval=16.0)))
+    g = heads(dense(hv * d, "g_proj", use_bias=False)(x), hv)
+    beta = dense(hv, "b_proj", use_bias=False)(x)
+    a_log = self.param("a_log", a_log_init, (hv,))
     dt_bias = self.param("dt_bias", nn.initializers.zeros, (hv * d,))
-    o, state = cudnn_jax.kda(
-        q, k, v, g, beta, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=True, implementation=self.implementation)
+    o, state = kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, self.implementation)
     o = nn.RMSNorm(dtype=self.dtype, name="o_norm")(o)
     gate = heads(dense(hv * d, "o_gate", use_bias=False)(x), hv)
     o = (o * jax.nn.sigmoid(gate)).reshape(b, t, hv * d)
@@ -147,14 +178,9 @@ class MoEMLP(nn.Module):
       tokens = tokens.astype(self.dtype)
     logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, name="router")(
         tokens)
-    top_logits, experts = jax.lax.top_k(logits, self.top_k)
-    weights = jax.nn.softmax(top_logits, axis=-1).astype(tokens.dtype)
     up_cols = self.hidden_dim * (2 if self.glu else 1)
-    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-    w_up = self.param("w_up", init, (self.num_experts, d, up_cols)).astype(tokens.dtype)
-    w_down = self.param("w_down", init, (self.num_experts, self.hidden_dim, d)).astype(
-        tokens.dtype)
-    y = cudnn_jax.moe_mlp(tokens, experts.astype(jnp.int32), weights, w_up, w_down,
-                          glu=self.glu, activation=self.activation,
-                          implementation=self.implementation)
+    w_up = self.param("w_up", EXPERT_INIT, (self.num_experts, d, up_cols))
+    w_down = self.param("w_down", EXPERT_INIT, (self.num_experts, self.hidden_dim, d))
+    y = mixture(tokens, logits, w_up, w_down, top_k=self.top_k, glu=self.glu,
+                activation=self.activation, implementation=self.implementation)
     return y.reshape(shape[:-1] + (d,))

@@ -1,0 +1,95 @@
+"""The layers of ``cudnn_jax.flax_modules`` for ``flax.nnx``: same math, same parameter
+names; nnx modules are built eagerly, so each takes the input width and ``rngs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from cudnn_jax.flax_modules import (EXPERT_INIT, a_log_init, dot_product_attention, kimi_delta,
+                                    mixture, self_attention)
+
+__all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP"]
+
+
+class MultiHeadAttention(nnx.Module):
+  """Self-attention ``x [..., T, in_features] -> [..., T, in_features]`` (see the linen
+  ``MultiHeadAttention``)."""
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int,
+               num_kv_heads: int | None = None, is_causal: bool = False,
+               local_window_size: Any = None, dtype: Any = None, implementation: Any = None,
+               *, rngs: nnx.Rngs):
+    kv_heads = num_kv_heads or num_heads
+    heads = lambda n: nnx.LinearGeneral(in_features, (n, head_dim), dtype=dtype, rngs=rngs)
+    self.query, self.key, self.value = heads(num_heads), heads(kv_heads), heads(kv_heads)
+    self.out = nnx.LinearGeneral((num_heads, head_dim), in_features, axis=(-2, -1),
+                                 dtype=dtype, rngs=rngs)
+    self.is_causal, self.local_window_size = is_causal, local_window_size
+    self.implementation = implementation
+
+  def __call__(self, x, *, segment_ids=None, decode=False):
+    if decode:
+      raise NotImplementedError("decode: the paged KV cache (sdpa_paged) is not available yet")
+    out = self_attention(self.query(x), self.key(x), self.value(x), segment_ids=segment_ids,
+                         is_causal=self.is_causal, local_window_size=self.local_window_size,
+                         implementation=self.implementation)
+    return self.out(out)
+
+
+class KimiDeltaAttention(nnx.Module):
+  """Kimi Delta Attention ``x [B, T, in_features] -> (y, state)`` (see the linen
+  ``KimiDeltaAttention``)."""
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int,
+               num_v_heads: int | None = None, dtype: Any = None, implementation: Any = None,
+               *, rngs: nnx.Rngs):
+    hv = num_v_heads or num_heads
+    linear = lambda width, n_in=in_features: nnx.Linear(n_in, width, use_bias=False,
+                                                        dtype=dtype, rngs=rngs)
+    self.q_proj, self.k_proj = linear(num_heads * head_dim), linear(num_heads * head_dim)
+    self.v_proj, self.g_proj = linear(hv * head_dim), linear(hv * head_dim)
+    self.b_proj, self.o_gate = linear(hv), linear(hv * head_dim)
+    self.o_proj = linear(in_features, hv * head_dim)
+    self.o_norm = nnx.RMSNorm(head_dim, dtype=dtype, rngs=rngs)
+    self.a_log = nnx.Param(a_log_init(rngs.params(), (hv,)))
+    self.dt_bias = nnx.Param(jnp.zeros((hv * head_dim,)))
+    self.num_heads, self.num_v_heads = num_heads, hv
+    self.implementation = implementation
+
+  def __call__(self, x, state=None):
+    b, t, _ = x.shape
+    heads = lambda y, n: y.reshape(b, t, n, -1)
+    h, hv = self.num_heads, self.num_v_heads
+    o, state = kimi_delta(heads(self.q_proj(x), h), heads(self.k_proj(x), h),
+                          heads(self.v_proj(x), hv), heads(self.g_proj(x), hv),
+                          self.b_proj(x), self.a_log[...], self.dt_bias[...], state,
+                          self.implementation)
+    o = self.o_norm(o) * nnx.sigmoid(heads(self.o_gate(x), hv))
+    return self.o_proj(o.reshape(b, t, -1)), state
+
+
+class MoEMLP(nnx.Module):
+  """Mixture-of-experts MLP ``x [..., in_features] -> [..., in_features]`` (see the linen
+  ``MoEMLP``)."""
+
+  def __init__(self, in_features: int, num_experts: int, top_k: int, hidden_dim: int,
+               glu: str | None = "swiglu", activation: str | None = None, dtype: Any = None,
+               implementation: Any = None, *, rngs: nnx.Rngs):
+    self.router = nnx.Linear(in_features, num_experts, use_bias=False, rngs=rngs)
+    up_cols = hidden_dim * (2 if glu else 1)
+    self.w_up = nnx.Param(EXPERT_INIT(rngs.params(), (num_experts, in_features, up_cols)))
+    self.w_down = nnx.Param(EXPERT_INIT(rngs.params(), (num_experts, hidden_dim, in_features)))
+    self.top_k, self.glu, self.activation = top_k, glu, activation
+    self.dtype, self.implementation = dtype, implementation
+
+  def __call__(self, x):
+    tokens = x.reshape(-1, x.shape[-1])
+    if self.dtype is not None:
+      tokens = tokens.astype(self.dtype)
+    logits = self.router(tokens.astype(jnp.float32))
+    y = mixture(tokens, logits, self.w_up[...], self.w_down[...], top_k=self.top_k,
+                glu=self.glu, activation=self.activation, implementation=self.implementation)
+    return y.reshape(x.shape)
