@@ -184,7 +184,7 @@ def test_bad_input_names_the_argument(change, error, match):
 
 
 def test_engines_and_explain():
-  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: no such engine"):
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: default backend"):
     moe_mlp(**_ARGS, implementation="cudnn")
   np.testing.assert_array_equal(moe_mlp(**_ARGS, implementation=("cute", "xla")),
                                 moe_mlp(**_ARGS))
