@@ -5,12 +5,13 @@ the fastest engine that serves the call and falls back to "xla".
 """
 
 from cudnn_jax._extension import cache_info
+from cudnn_jax.conv import conv3d
 from cudnn_jax.engines import UnsupportedError, explain
 from cudnn_jax.gemm import gemm, grouped_gemm
 from cudnn_jax.kda import gdn, kda
 from cudnn_jax.moe import moe_mlp
 from cudnn_jax.sdpa import sdpa
 
-__all__ = ["UnsupportedError", "cache_info", "explain", "gdn", "gemm", "grouped_gemm", "kda",
-           "moe_mlp", "sdpa"]
+__all__ = ["UnsupportedError", "cache_info", "conv3d", "explain", "gdn", "gemm", "grouped_gemm",
+           "kda", "moe_mlp", "sdpa"]
 __version__ = "0.1.0"

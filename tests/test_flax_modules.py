@@ -115,7 +115,7 @@ def _load(module, params):
       attr[...] = value
 
 
-@pytest.mark.parametrize("name", ["mha", "kda", "moe"])
+@pytest.mark.parametrize("name", ["mha", "kda", "moe", "conv"])
 def test_nnx_layers_equal_linen_layers(name):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from cudnn_jax.flax_modules import nnx as fnnx  # pylint: disable=g-import-not-at-top
@@ -127,8 +127,42 @@ def test_nnx_layers_equal_linen_layers(name):
       "kda": (fm.KimiDeltaAttention(2, 8, num_v_heads=4),
               fnnx.KimiDeltaAttention(16, 2, 8, num_v_heads=4, rngs=rngs)),
       "moe": (fm.MoEMLP(4, 2, 8), fnnx.MoEMLP(16, 4, 2, 8, rngs=rngs)),
+      "conv": (fm.CausalConv3dBlock(12, norm="l2"),
+               fnnx.CausalConv3dBlock(16, 12, norm="l2", rngs=rngs)),
   }[name]
+  if name == "conv":
+    x = normal(5, (1, 3, 4, 4, 16))
   params = linen.init(jax.random.key(1), x)
   _load(nnx_layer, params["params"])
   for got, want in zip(jax.tree.leaves(nnx_layer(x)), jax.tree.leaves(linen.apply(params, x))):
     np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("features,norm", [(8, "rms"), (12, "group")])
+def test_causal_conv3d_block_matches_its_definition(features, norm):
+  x = normal(6, (2, 4, 5, 5, 8))
+  layer = fm.CausalConv3dBlock(features, norm=norm)
+  params = layer.init(jax.random.key(0), x)
+  got = layer.apply(params, x)
+  p = params["params"]
+
+  def conv(x, w):  # causal in time, SAME in space, stride 1: plain lax, padded by hand
+    kt, kh, kw = w.shape[:3]
+    x = jnp.pad(x, ((0, 0), (kt - 1, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)))
+    return jax.lax.conv_general_dilated(x, w, (1, 1, 1), "VALID",
+                                        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+                                        precision=jax.lax.Precision.HIGHEST)
+
+  h = conv(x, p["conv1"]) + p["bias1"]
+  if norm == "rms":
+    h = h / jnp.sqrt(jnp.mean(h ** 2, -1, keepdims=True) + 1e-6)
+  else:
+    g = h.reshape(h.shape[:-1] + (features, 1))  # min(32, 12) = 12 groups of 1 channel
+    g = (g - g.mean((1, 2, 3, 5), keepdims=True)) / jnp.sqrt(
+        g.var((1, 2, 3, 5), keepdims=True) + 1e-6)
+    h = g.reshape(h.shape)
+  h = jax.nn.silu(h * p["norm_scale"])
+  skip = x if features == 8 else conv(x, p["skip"])
+  want = conv(h, p["conv2"]) + p["bias2"] + skip
+  assert got.shape == x.shape[:-1] + (features,)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

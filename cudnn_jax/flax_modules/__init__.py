@@ -2,8 +2,8 @@
 
 ``dot_product_attention`` has flax's ``attention_fn`` signature, so
 ``flax.linen.MultiHeadDotProductAttention(..., attention_fn=dot_product_attention)`` runs
-on ``cudnn_jax.sdpa`` unchanged. ``MultiHeadAttention``, ``KimiDeltaAttention`` and
-``MoEMLP`` are whole layers; every one takes ``implementation`` (passed to the op).
+on ``cudnn_jax.sdpa`` unchanged. ``MultiHeadAttention``, ``KimiDeltaAttention``,
+``MoEMLP`` and ``CausalConv3dBlock`` are whole layers; every one takes ``implementation`` (passed to the op).
 ``cudnn_jax.flax_modules.nnx`` has the same layers for ``flax.nnx``. Needs ``flax``
 (``pip install cudnn-jax[flax]``).
 """
@@ -89,6 +89,19 @@ def mixture(tokens, logits, w_up, w_down, *, top_k, glu, activation, implementat
 
 
 EXPERT_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+CONV_INIT = nn.initializers.lecun_normal(in_axis=(0, 1, 2, 3), out_axis=-1)
+
+
+def causal_block(x, w1, b1, scale1, w2, b2, w_skip, *, norm, implementation):
+  """The VAE residual block: ``h = silu(norm(conv(x, w1) + b1) * scale1)``, then
+  ``conv(h, w2) + b2 + skip(x)`` (skip: x, or a 1x1x1 conv to the block's width); every
+  conv causal in time."""
+  conv = lambda x, w, **kw: cudnn_jax.conv3d(x, w, padding="CAUSAL",
+                                             implementation=implementation, **kw)
+  h = conv(x, w1, bias=b1, norm=norm, norm_scale=scale1 if norm else None,
+           num_groups=min(32, w1.shape[-1]), activation="silu")
+  skip = x if w_skip is None else conv(x, w_skip)
+  return conv(h, w2, bias=b2, residual=skip.astype(h.dtype))
 
 
 class MultiHeadAttention(nn.Module):
@@ -153,6 +166,33 @@ class KimiDeltaAttention(nn.Module):
     gate = heads(dense(hv * d, "o_gate", use_bias=False)(x), hv)
     o = (o * jax.nn.sigmoid(gate)).reshape(b, t, hv * d)
     return dense(features, "o_proj", use_bias=False)(o), state
+
+
+class CausalConv3dBlock(nn.Module):
+  """Video VAE residual block on ``cudnn_jax.conv3d``: ``x [N, T, H, W, C] -> [N, T, H, W,
+  features]`` (two causal convolutions, the first with ``norm`` and SiLU fused, the second
+  with the skip connection fused; a 1x1x1 convolution projects the skip when C !=
+  features). With norm="group" the groups are min(32, features)."""
+  features: int
+  kernel_size: tuple = (3, 3, 3)
+  norm: str | None = "rms"
+  dtype: Any = None
+  implementation: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    c, f = x.shape[-1], self.features
+    param = lambda name, init, shape: self.param(name, init, shape).astype(x.dtype)
+    w1 = param("conv1", CONV_INIT, (*self.kernel_size, c, f))
+    w2 = param("conv2", CONV_INIT, (*self.kernel_size, f, f))
+    b1, b2 = param("bias1", nn.initializers.zeros, (f,)), param("bias2", nn.initializers.zeros,
+                                                               (f,))
+    scale1 = param("norm_scale", nn.initializers.ones, (f,)) if self.norm else None
+    w_skip = param("skip", CONV_INIT, (1, 1, 1, c, f)) if c != f else None
+    return causal_block(x, w1, b1, scale1, w2, b2, w_skip, norm=self.norm,
+                        implementation=self.implementation)
 
 
 class MoEMLP(nn.Module):

@@ -8,10 +8,11 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from cudnn_jax.flax_modules import (EXPERT_INIT, a_log_init, dot_product_attention, kimi_delta,
-                                    mixture, self_attention)
+from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, causal_block,
+                                    dot_product_attention, kimi_delta, mixture, self_attention)
 
-__all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP"]
+__all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP",
+           "CausalConv3dBlock"]
 
 
 class MultiHeadAttention(nnx.Module):
@@ -93,3 +94,27 @@ class MoEMLP(nnx.Module):
     y = mixture(tokens, logits, self.w_up[...], self.w_down[...], top_k=self.top_k,
                 glu=self.glu, activation=self.activation, implementation=self.implementation)
     return y.reshape(x.shape)
+
+
+class CausalConv3dBlock(nnx.Module):
+  """Video VAE residual block ``x [N, T, H, W, in_features] -> [..., features]`` (see the
+  linen ``CausalConv3dBlock``)."""
+
+  def __init__(self, in_features: int, features: int, kernel_size=(3, 3, 3),
+               norm: str | None = "rms", dtype: Any = None, implementation: Any = None,
+               *, rngs: nnx.Rngs):
+    c, f = in_features, features
+    self.conv1 = nnx.Param(CONV_INIT(rngs.params(), (*kernel_size, c, f)))
+    self.conv2 = nnx.Param(CONV_INIT(rngs.params(), (*kernel_size, f, f)))
+    self.bias1, self.bias2 = nnx.Param(jnp.zeros((f,))), nnx.Param(jnp.zeros((f,)))
+    self.norm_scale = nnx.Param(jnp.ones((f,))) if norm else None
+    self.skip = nnx.Param(CONV_INIT(rngs.params(), (1, 1, 1, c, f))) if c != f else None
+    self.norm, self.dtype, self.implementation = norm, dtype, implementation
+
+  def __call__(self, x):
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    value = lambda p: None if p is None else p[...].astype(x.dtype)
+    return causal_block(x, value(self.conv1), value(self.bias1), value(self.norm_scale),
+                        value(self.conv2), value(self.bias2), value(self.skip), norm=self.norm,
+                        implementation=self.implementation)

@@ -1,0 +1,169 @@
+"""Fused 3-D convolution for video VAE blocks: ``cudnn_jax.conv3d``.
+
+``y = conv(x, w) + bias + residual``, then an optional norm over channels (``"rms"``,
+``"l2"``) or channel groups (``"group"``), its scale and bias, and an activation; products
+accumulate in float32 and the result is cast once to ``out_dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cudnn_jax import _checks, engines
+
+NORMS = (None, "rms", "l2", "group")
+ACTIVATIONS = (None, "silu", "gelu", "relu")
+
+
+class Conv3dInputs(NamedTuple):
+  x: jax.Array  # [N, T, H, W, Cin]
+  w: jax.Array  # [kt, kh, kw, Cin, Cout]
+  bias: jax.Array | None = None  # [Cout]
+  residual: jax.Array | None = None  # [N, T', H', W', Cout]
+  norm_scale: jax.Array | None = None  # [Cout]
+  norm_bias: jax.Array | None = None  # [Cout]
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv3dCall:
+  """Everything static about one conv3d call."""
+  in_shape: tuple  # x's shape
+  kernel: tuple  # w's shape
+  out_shape: tuple
+  padding: tuple  # ((lo, hi),) * 3, explicit
+  strides: tuple
+  dilation: tuple
+  dtype: str
+  out_dtype: str
+  norm: str | None
+  num_groups: int
+  eps: float
+  activation: str | None
+
+
+def _triple(name, value):
+  values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * 3
+  if len(values) != 3:
+    raise ValueError(f"{name}: expected 3 values (time, height, width), got {value!r}")
+  return tuple(_checks.static_int(name, v, minimum=1) for v in values)
+
+
+def _same_pads(size, k, stride, dilation):
+  """XLA's SAME padding of one spatial dim: output ceil(size / stride)."""
+  window = dilation * (k - 1) + 1
+  out = -(-size // stride)
+  total = max((out - 1) * stride + window - size, 0)
+  return total // 2, total - total // 2
+
+
+def _explicit_padding(padding, spatial, kernel, strides, dilation):
+  if isinstance(padding, str):
+    _checks.one_of("padding", padding, ("SAME", "VALID", "CAUSAL"))
+    if padding == "VALID":
+      return ((0, 0),) * 3
+    pads = [_same_pads(*dims) for dims in zip(spatial, kernel, strides, dilation)]
+    if padding == "CAUSAL":  # all of time's padding in front
+      pads[0] = ((kernel[0] - 1) * dilation[0], 0)
+    return tuple(pads)
+  try:
+    pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+  except (TypeError, ValueError):
+    pads = ()
+  if len(pads) != 3 or any(p < 0 for pair in pads for p in pair):
+    raise ValueError("padding: expected 'SAME', 'VALID', 'CAUSAL' or ((lo, hi),) * 3 with "
+                     f"non-negative ints, got {padding!r}")
+  return pads
+
+
+def _channel_vector(name, x, channels):
+  if x is None:
+    return None
+  _checks.shape_of(name, x, 1)
+  _checks.float_dtype(name, x)
+  _checks.expect_shape(name, x, (channels,))
+  return x
+
+
+def _prepare(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_bias=None,
+             num_groups=32, eps=1e-6, activation=None, strides=(1, 1, 1), padding="SAME",
+             dilation=(1, 1, 1), out_dtype=None, implementation=None):
+  """Validates the user's arguments into (Conv3dCall, Conv3dInputs)."""
+  del implementation
+  n, *spatial, cin = _checks.shape_of("x", x, 5)
+  _checks.float_dtype("x", x)
+  kt, kh, kw, w_cin, cout = _checks.shape_of("w", w, 5)
+  _checks.float_dtype("w", w)
+  _checks.same_dtype("x, w", x, w)
+  if w_cin != cin:
+    raise ValueError(f"w: expected [kt, kh, kw, Cin, Cout] with Cin={cin} (x's channels), "
+                     f"got shape {w.shape}")
+  strides, dilation = _triple("strides", strides), _triple("dilation", dilation)
+  kernel = (kt, kh, kw)
+  pads = _explicit_padding(padding, spatial, kernel, strides, dilation)
+  out_spatial = tuple((size + lo + hi - d * (k - 1) - 1) // s + 1 for size, (lo, hi), k, s, d
+                      in zip(spatial, pads, kernel, strides, dilation))
+  if min(out_spatial) < 1:
+    raise ValueError(f"x: spatial dims {tuple(spatial)} are smaller than the dilated kernel "
+                     f"{kernel} with padding {pads}")
+  out_shape = (n,) + out_spatial + (cout,)
+  bias = _channel_vector("bias", bias, cout)
+  if residual is not None:
+    _checks.shape_of("residual", residual, 5)
+    _checks.float_dtype("residual", residual)
+    _checks.expect_shape("residual", residual, out_shape)
+  _checks.one_of("norm", norm, NORMS)
+  norm_scale = _channel_vector("norm_scale", norm_scale, cout)
+  norm_bias = _channel_vector("norm_bias", norm_bias, cout)
+  if norm is None and (norm_scale is not None or norm_bias is not None):
+    raise ValueError("norm_scale, norm_bias: given without a norm")
+  num_groups = _checks.static_int("num_groups", num_groups, minimum=1)
+  if norm == "group" and cout % num_groups:
+    raise ValueError(f"num_groups: {num_groups} does not divide the {cout} output channels")
+  if not isinstance(eps, (int, float)) or not eps > 0:
+    raise ValueError(f"eps: expected a positive float, got {eps!r}")
+  _checks.one_of("activation", activation, ACTIVATIONS)
+  out_dtype = _checks.dtype_arg("out_dtype", x.dtype if out_dtype is None else out_dtype,
+                                _checks.FLOAT_DTYPES).name
+  call = Conv3dCall(in_shape=tuple(x.shape), kernel=tuple(w.shape), out_shape=out_shape,
+                    padding=pads, strides=strides, dilation=dilation,
+                    dtype=jnp.dtype(x.dtype).name, out_dtype=out_dtype, norm=norm,
+                    num_groups=num_groups, eps=float(eps), activation=activation)
+  return call, Conv3dInputs(x, w, bias, residual, norm_scale, norm_bias)
+
+
+def conv3d(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_bias=None,
+           num_groups=32, eps=1e-6, activation=None, strides=(1, 1, 1), padding="SAME",
+           dilation=(1, 1, 1), out_dtype=None, implementation=None):
+  """3-D convolution with a fused bias, residual, norm and activation (channels last).
+
+  ``x [N, T, H, W, Cin]``, ``w [kt, kh, kw, Cin, Cout]``, ``bias [Cout]``. ``padding``:
+  "SAME", "VALID", "CAUSAL" (time padded by ``(kt-1)*dilation_t`` in front only, height
+  and width SAME) or explicit ``((lo, hi),) * 3``. ``y = conv(x, w) + bias + residual``
+  (``residual`` shaped like the output), then ``norm``: "rms" ``y / sqrt(mean_c y^2 +
+  eps)``, "l2" ``y * sqrt(C) / max(||y||_c, eps)``, or "group" ``(y - mean) / sqrt(var +
+  eps)`` per sample over (T, H, W, C / num_groups); times ``norm_scale`` plus
+  ``norm_bias`` when given; then ``activation`` in {None, "silu", "gelu" (erf), "relu"}.
+  Returns ``[N, T', H', W', Cout]`` in ``out_dtype`` (default x's dtype). Differentiable in
+  x, w, bias, residual, norm_scale, norm_bias.
+  """
+  call, inputs = _prepare(x, w, bias, residual=residual, norm=norm, norm_scale=norm_scale,
+                          norm_bias=norm_bias, num_groups=num_groups, eps=eps,
+                          activation=activation, strides=strides, padding=padding,
+                          dilation=dilation, out_dtype=out_dtype)
+  return engines.dispatch("conv3d", implementation, call, inputs)
+
+
+def _run_xla(call: Conv3dCall, x: Conv3dInputs):
+  from cudnn_jax.reference import conv as ref  # pylint: disable=g-import-not-at-top
+  y = ref.conv3d(*x, padding=call.padding, strides=call.strides, dilation=call.dilation,
+                 norm=call.norm, num_groups=call.num_groups, eps=call.eps,
+                 activation=call.activation)
+  return y.astype(call.out_dtype)
+
+
+engines.register_op("conv3d", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("conv3d", "xla", supports=lambda call: None, run=_run_xla)
