@@ -508,8 +508,26 @@ std::string sdpa_check(const SdpaConfig& requested) {
 namespace ffi = xla::ffi;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
+namespace {
+
+// The attributes both handlers take, in the order of their parameters.
+template <typename Binding>
+auto with_sdpa_attributes(Binding binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<bool>("bottom_right")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_padding");
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
-                              ffi::Ffi::Bind()
+                              with_sdpa_attributes(ffi::Ffi::Bind()
                                   .Ctx<Stream>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // q
@@ -517,18 +535,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                                   .Arg<ffi::AnyBuffer>()  // v
                                   .RemainingArgs()        // [bias], [q_lens, kv_lens]
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_padding"));
+                                  .Ret<ffi::AnyBuffer>()));  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
-                              ffi::Ffi::Bind()
+                              with_sdpa_attributes(ffi::Ffi::Bind()
                                   .Ctx<Stream>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // q
@@ -541,13 +551,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
-                                  .RemainingRets()        // [dbias]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_padding")
+                                  .RemainingRets())  // [dbias]
                                   .Attr<bool>("has_dbias"));
