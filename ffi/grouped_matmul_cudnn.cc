@@ -50,11 +50,7 @@ std::shared_ptr<CachedPlan> build_plan(const GroupedMatmulConfig& c, int device,
     return plan;
   }
   namespace g = fe::graph;
-  auto graph = std::make_shared<g::Graph>();
-  graph->set_io_data_type(*io)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
-  graph->set_sm_version(sm);
+  auto graph = new_graph(*io, sm);
   auto lhs = graph->tensor(g::Tensor_attributes().set_name("lhs").set_uid(kLhs)
                                .set_dim({1, c.m, c.k}).set_stride({c.m * c.k, c.k, 1})
                                .set_data_type(*io));

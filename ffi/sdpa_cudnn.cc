@@ -263,15 +263,8 @@ std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHa
       plan->error = stage_message(op, "device", err);
       return plan;
     }
-    auto new_graph = [&] {
-      auto graph = std::make_shared<Graph>();
-      graph->set_io_data_type(*to_cudnn_dtype(c.dtype))
-          .set_intermediate_data_type(fe::DataType_t::FLOAT)
-          .set_compute_data_type(fe::DataType_t::FLOAT);
-      graph->set_sm_version(sm);
-      return graph;
-    };
-    auto graph = new_graph();
+    const fe::DataType_t io = *to_cudnn_dtype(c.dtype);
+    auto graph = new_graph(io, sm);
     if (c.backward) {
       add_backward(*graph, c);
     } else {
@@ -287,7 +280,7 @@ std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHa
     }
     plan->graph = std::move(graph);
     if (!c.backward && !band_of(c).any() && c.softcap == 0.f) {
-      auto unified = new_graph();
+      auto unified = new_graph(io, sm);
       add_forward(*unified, c, fe::AttentionImplementation_t::UNIFIED);
       if (build_graph(*unified, handle.handle, op).empty()) {
         plan->alternatives.push_back(std::move(unified));

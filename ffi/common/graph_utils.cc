@@ -221,6 +221,15 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(io)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  graph->set_sm_version(sm);
+  return graph;
+}
+
 std::shared_ptr<CachedPlan> find_plan(
     std::string_view op, const std::string& key, int device, DeviceHandle** handle,
     const std::function<std::shared_ptr<CachedPlan>(DeviceHandle&)>& build, std::string* error) {

@@ -31,6 +31,9 @@ inline std::string stage_message(std::string_view op, std::string_view stage, fe
   return stage_message(op, stage, std::string_view(err.get_message()));
 }
 
+// An empty graph for `sm` with `io` tensors and float32 intermediates and compute.
+std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm);
+
 // Validates `graph`, lowers it to a cuDNN operation graph and builds every candidate
 // execution plan (heuristics mode A, then FALLBACK). Returns "" or the failure.
 std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op);
