@@ -3,7 +3,8 @@
 #   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [SWEEP_PROCESSES]
 # Environment: BENCHES (default "sdpa"), BENCH_ARGS (or BENCH_ARGS_<name>, e.g.
 # BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
-# SUITE_ARGS, and the *_TIMEOUT limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
+# SUITE_ARGS, NAMED_TESTS (test paths in the tree, default tests/gpu), and the *_TIMEOUT
+# limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers);
 # .aot/ (carried, git-ignored) the kernel objects from `python kernels/aot.py .aot`.
 set -uo pipefail
@@ -26,9 +27,11 @@ python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>
   || { tail -60 "$LOG/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
+NAMED=(); for t in ${NAMED_TESTS:-tests/gpu}; do NAMED+=("$TREE/$t"); done
 # From outside the tree, so the installed package (with its extension) is imported.
 cd /tmp
-[ "${NAMED_TIMEOUT:-120}" = 0 ] || timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" "$TREE/tests/gpu" \
+[ "${NAMED_TIMEOUT:-120}" = 0 ] || timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" \
+  "${NAMED[@]}" \
   > "$LOG/pytest_named.log" 2>&1; echo "named GPU tests: $(tail -1 "$LOG/pytest_named.log")"
 # The portable suite (pure-JAX engines included) on the GPU backend.
 [ "${SUITE_TIMEOUT:-0}" = 0 ] || { timeout "$SUITE_TIMEOUT" python3 -m pytest -q \
