@@ -8,6 +8,7 @@ end, to ``out_dtype`` (default: the input dtype).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -287,44 +288,106 @@ engines.register_engine("grouped_gemm", "cudnn", supports=_supports_grouped_cudn
                         run=_run_grouped_on(_cudnn_grouped_product), opt_in=True)
 
 
-# "cute": our CuTe DSL kernel (kernels/grouped_gemm_sm90.py), compiled ahead of time.
+# "cute": our CuTe DSL kernel (kernels/grouped_gemm_sm90.py), compiled ahead of time, with
+# the bias and the activation or GLU fused into its epilogue.
 
 _CUTE_TILE_M = 128  # the kernel's row tile
+_GLUS = tuple(epilogue.GLU_ACTIVATION)
+
+
+def _cute_variant(dtype, activation=None, glu=None):
+  return (f"grouped_gemm_{'bf16' if dtype == 'bfloat16' else 'f16'}_"
+          f"{glu or activation or 'none'}")
 
 
 def _supports_grouped_cute(call: GroupedGemmCall) -> str | None:
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   if why := _gpu_reason(call):
     return why
-  variant = "grouped_gemm_" + ("bf16" if call.dtype == "bfloat16" else "f16")
-  if variant not in _extension.aot_kernels():
-    return f"the extension was built without the AOT kernel {variant}"
-  columns = call.n * (2 if call.glu else 1)
-  if call.k % 8 or columns % 8:
-    return f"K={call.k} and N={columns} must be multiples of 8 (16-byte rows for TMA)"
+  # The plain variant serves the gradients (and every call under differentiation).
+  for variant in {_cute_variant(call.dtype), _cute_variant(call.dtype, call.activation,
+                                                            call.glu)}:
+    if variant not in _extension.aot_kernels():
+      return f"the extension was built without the AOT kernel {variant}"
+  if call.k % 8 or call.n % 8:
+    return f"K={call.k} and N={call.n} must be multiples of 8 (16-byte rows for TMA)"
   return None
 
 
-def _cute_grouped_gemm_ffi(lhs, rhs, tile_starts, row_starts):
+def _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
+  """The FFI handler: ``epilogue(lhs @ rhs[g] + bias[g])`` ([M, N], lhs's dtype) for the
+  rows of each group; rows past the last group are left unwritten."""
+  columns = rhs.shape[2] // (2 if epilogue in _GLUS else 1)
   return jax.ffi.ffi_call(
       "cudnn_jax_cute_grouped_gemm",
-      jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
-      vmap_method="sequential")(lhs, rhs, tile_starts, row_starts)
+      jax.ShapeDtypeStruct((lhs.shape[0], columns), lhs.dtype),
+      vmap_method="sequential")(lhs, rhs, bias, tile_starts, row_starts,
+                                epilogue=epilogue)
 
 
-def _cute_matmul(lhs, rhs, group_sizes):
+def _cute_kernel(lhs, rhs, group_sizes, bias=None, activation=None, glu=None):
+  """The kernel with its group tables; ``[M, N]`` in lhs's dtype, 0 past the last group."""
   zero = jnp.zeros((1,), jnp.int32)
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), lhs.shape[0])
   row_starts = jnp.concatenate([zero, ends]).astype(jnp.int32)
   tiles = -(-jnp.diff(row_starts) // _CUTE_TILE_M)
   tile_starts = jnp.concatenate([zero, jnp.cumsum(tiles)]).astype(jnp.int32)
-  out = _cute_grouped_gemm_ffi(lhs, rhs, tile_starts, row_starts)
+  bias = (jnp.zeros(rhs.shape[::2], jnp.float32) if bias is None
+          else bias.astype(jnp.float32))
+  out = _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts,
+                               epilogue=glu or activation or "none")
   return _past_groups_zero(out, group_sizes)
 
 
-_cute_grouped_product = _grouped_product_on(_cute_matmul)
+_cute_grouped_product = _grouped_product_on(_cute_kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _cute_fused(lhs, rhs, group_sizes, bias, activation, glu):
+  return _cute_kernel(lhs, rhs, group_sizes, bias, activation, glu)
+
+
+def _cute_unfused(lhs, rhs, group_sizes, bias, activation, glu):
+  """The same value as the plain product on the kernel and the epilogue in XLA, whose
+  intermediates (the product before the epilogue) the VJP needs."""
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  y = ref.grouped_gemm(lhs, rhs, group_sizes, bias, activation=activation, glu=glu,
+                       product=_cute_grouped_product)
+  return y.astype(lhs.dtype)
+
+
+def _cute_fused_fwd(lhs, rhs, group_sizes, bias, activation, glu):
+  out, pull = jax.vjp(lambda l, r, b: _cute_unfused(l, r, group_sizes, b, activation, glu),
+                      lhs, rhs, bias)
+  return out, pull
+
+
+def _cute_fused_bwd(activation, glu, pull, ct):
+  d_lhs, d_rhs, d_bias = pull(ct)
+  return d_lhs, d_rhs, None, d_bias
+
+
+_cute_fused.defvjp(_cute_fused_fwd, _cute_fused_bwd)
+
+
+def _cute_grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+  """``grouped_gemm`` on the kernel, epilogue fused: ``[M, N]`` in lhs's dtype, 0 past the
+  last group. Differentiated, the forward runs the plain kernel and the epilogue in XLA
+  (keeping the product for the backward); the lhs gradient runs on the kernel, the rhs
+  gradient on XLA."""
+  return _cute_fused(lhs, rhs, group_sizes, bias, activation, glu)
+
+
+def _run_grouped_cute(call: GroupedGemmCall, x: GroupedGemmInputs):
+  if call.out_dtype == call.dtype:
+    return _cute_grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias,
+                              activation=call.activation, glu=call.glu)
+  # Another output dtype: the epilogue's float32 result, cast once.
+  return _run_grouped_on(_cute_grouped_product)(call, x)
+
+
 engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
-                        run=_run_grouped_on(_cute_grouped_product), opt_in=True)
+                        run=_run_grouped_cute, opt_in=True)
 
 
 def _as_one_group(call: GemmCall) -> GroupedGemmCall:
@@ -335,10 +398,17 @@ def _as_one_group(call: GemmCall) -> GroupedGemmCall:
 
 
 def _run_gemm_cute(call: GemmCall, x: GemmInputs):
-  """gemm as a grouped GEMM of one group on the same kernel; the epilogue in XLA."""
+  """gemm as a grouped GEMM of one group on the same kernel."""
   from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   a = x.a.reshape(-1, call.k)
-  h = _cute_grouped_product(a, x.b[None], jnp.full((1,), a.shape[0], jnp.int32))
+  sizes = jnp.full((1,), a.shape[0], jnp.int32)
+  bias = None if x.bias is None else x.bias[None]
+  if call.out_dtype == call.dtype and not call.return_amax:
+    y = _cute_grouped_gemm(a, x.b[None], sizes, bias, activation=call.activation,
+                           glu=call.glu)
+    return y.reshape(*call.batch, call.m, call.n), None
+  # amax and other output dtypes want the float32 epilogue result.
+  h = _cute_grouped_product(a, x.b[None], sizes)
   h = h.reshape(*call.batch, call.m, x.b.shape[1])
   y = epilogue.apply(h, x.bias, activation=call.activation, glu=call.glu)
   return ref.finish(y, call.out_dtype, call.return_amax)
@@ -349,5 +419,13 @@ engines.register_engine("gemm", "cute",
                         run=_run_gemm_cute, opt_in=True)
 
 
-# The grouped products of the GPU engines, by engine name (moe_mlp's engines use them too).
-grouped_products = {"cudnn": _cudnn_grouped_product, "cute": _cute_grouped_product}
+def _cudnn_grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  return ref.grouped_gemm(lhs, rhs, group_sizes, bias, activation=activation, glu=glu,
+                          product=_cudnn_grouped_product)
+
+
+# The grouped GEMMs of the GPU engines, by engine name (moe_mlp's engines use them too):
+# ``(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None) -> [M, N]``, with
+# ``reference.gemm.grouped_gemm``'s contract (float32 or lhs's dtype).
+grouped_gemms = {"cudnn": _cudnn_grouped_gemm, "cute": _cute_grouped_gemm}

@@ -152,7 +152,7 @@ def _register_gpu_engine(name):
   def run(call: MoeCall, x: MoeInputs):
     from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
     return ref.moe_mlp(*x, glu=call.glu, activation=call.activation,
-                       product=gemm.grouped_products[name])
+                       grouped_gemm=gemm.grouped_gemms[name])
 
   engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=True)
 

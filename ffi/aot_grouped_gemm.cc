@@ -1,15 +1,19 @@
-// cudnn_jax_cute_grouped_gemm: grouped GEMM on the ahead-of-time compiled CuTe DSL kernel
-// kernels/grouped_gemm_sm90.py (WGMMA + TMA, group sizes read on the device).
+// cudnn_jax_cute_grouped_gemm: grouped GEMM with a fused epilogue on the ahead-of-time
+// compiled CuTe DSL kernel kernels/grouped_gemm_sm90.py (WGMMA + TMA, group sizes read on
+// the device).
 //
-//   lhs [M,K], rhs [G,K,N] (as stored: N fastest), tile_starts [G+1] int32, row_starts
-//   [G+1] int32 (exclusive cumulative sums of ceil(size/128) and of the sizes, clamped to
-//   M)  ->  out [M,N], lhs's dtype. Rows past row_starts[G] are left unwritten.
+//   lhs [M,K], rhs [G,K,C] (as stored: C fastest), bias [G,C] float32, tile_starts [G+1]
+//   int32, row_starts [G+1] int32 (exclusive cumulative sums of ceil(size/128) and of the
+//   sizes, clamped to M)  ->  out [M,N], lhs's dtype; C = N, or 2N for a GLU.
+//   Attribute epilogue: "none", an activation or a GLU (the kernel's EPILOGUES).
+// Rows past row_starts[G] are left unwritten.
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "aot_kernels.h"
 #include "aot_kernels_ffi.h"
@@ -24,20 +28,27 @@ namespace {
 
 constexpr const char* kOp = "cute_grouped_gemm";
 
-// The launch shared by the dtype variants; their tensor structs differ only in type.
-template <typename Module, typename Lhs, typename Rhs, typename Out, typename Tiles,
-          typename Rows>
-ffi::Error launch(void (*load)(Module*),
-                  int32_t (*wrapper)(Module*, Lhs*, Rhs*, Out*, Tiles*, Rows*, cudaStream_t),
-                  cudaStream_t stream, ffi::AnyBuffer& lhs, ffi::AnyBuffer& rhs,
-                  ffi::AnyBuffer& tile_starts, ffi::AnyBuffer& row_starts,
-                  ffi::AnyBuffer& out, int32_t m, int32_t k, int32_t n, int32_t groups) {
-  Lhs a{lhs.untyped_data(), {m, k}, {k, int64_t{m} * k}};
-  Rhs b{rhs.untyped_data(), {n, k, groups}, {n, int64_t{k} * n}};
-  Out c{out.untyped_data(), {m, n}, {n, int64_t{m} * n}};
-  Tiles tiles{tile_starts.untyped_data(), {groups + 1}};
-  Rows rows{row_starts.untyped_data(), {groups + 1}};
-  int32_t err = wrapper(loaded_module(load), &a, &b, &c, &tiles, &rows, stream);
+struct Call {
+  cudaStream_t stream;
+  ffi::AnyBuffer lhs, rhs, bias, tile_starts, row_starts;
+  ffi::Result<ffi::AnyBuffer> out;
+  int32_t m, k, n, columns, groups;
+};
+
+// The launch shared by every variant; their tensor structs differ only in name.
+template <typename Module, typename Lhs, typename Rhs, typename Bias, typename Out,
+          typename Tiles, typename Rows>
+ffi::Error launch(int32_t (*wrapper)(Module*, Lhs*, Rhs*, Bias*, Out*, Tiles*, Rows*,
+                                     cudaStream_t),
+                  void (*load)(Module*), const Call& c) {
+  const int32_t m = c.m, k = c.k, n = c.n, cols = c.columns, groups = c.groups;
+  Lhs a{c.lhs.untyped_data(), {m, k}, {k, int64_t{m} * k}};
+  Rhs b{c.rhs.untyped_data(), {cols, k, groups}, {cols, int64_t{k} * cols}};
+  Bias bias{c.bias.untyped_data(), {cols, groups}, {cols}};
+  Out out{c.out->untyped_data(), {m, n}, {n, int64_t{m} * n}};
+  Tiles tiles{c.tile_starts.untyped_data(), {groups + 1}};
+  Rows rows{c.row_starts.untyped_data(), {groups + 1}};
+  int32_t err = wrapper(loaded_module(load), &a, &b, &bias, &out, &tiles, &rows, c.stream);
   if (err != 0) {
     return internal_error(
         stage_message(kOp, "launch", cudaGetErrorString(static_cast<cudaError_t>(err))));
@@ -45,21 +56,58 @@ ffi::Error launch(void (*load)(Module*),
   return ffi::Error::Success();
 }
 
+struct Variant {
+  const char* name;  // grouped_gemm_<dtype>_<epilogue>
+  ffi::Error (*run)(const Call&);
+};
+
+#define CUDNN_JAX_GROUPED_GEMM_VARIANT(prefix)                                           \
+  {#prefix, [](const Call& c) {                                                          \
+     return launch(cute_dsl_##prefix##_wrapper, prefix##_Kernel_Module_Load, c);         \
+   }},
+constexpr Variant kVariants[] = {CUDNN_JAX_AOT_GROUPED_GEMM_SM90(CUDNN_JAX_GROUPED_GEMM_VARIANT)};
+#undef CUDNN_JAX_GROUPED_GEMM_VARIANT
+
+const Variant* find_variant(const std::string& name) {
+  for (const Variant& v : kVariants) {
+    if (name == v.name) return &v;
+  }
+  return nullptr;
+}
+
+bool is_glu(std::string_view epilogue) {
+  return epilogue == "swiglu" || epilogue == "geglu" || epilogue == "reglu";
+}
+
 ffi::Error cute_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                             ffi::AnyBuffer tile_starts, ffi::AnyBuffer row_starts,
-                             ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::AnyBuffer bias, ffi::AnyBuffer tile_starts,
+                             ffi::AnyBuffer row_starts, ffi::Result<ffi::AnyBuffer> out,
+                             std::string_view epilogue) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3) {
-    return invalid_argument(stage_message(kOp, "arguments", "lhs [M,K], rhs [G,K,N]"));
+    return invalid_argument(stage_message(kOp, "arguments", "lhs [M,K], rhs [G,K,C]"));
   }
-  const int64_t m = ld[0], k = ld[1], groups = rd[0], n = rd[2];
+  const int64_t m = ld[0], k = ld[1], groups = rd[0], columns = rd[2];
+  const int64_t n = is_glu(epilogue) ? columns / 2 : columns;
   const ffi::DataType dtype = lhs.element_type();
-  std::string err = expect("rhs", rhs, dtype, {groups, k, n});
+  const char* dtype_name = dtype == ffi::DataType::BF16  ? "bf16"
+                           : dtype == ffi::DataType::F16 ? "f16"
+                                                         : nullptr;
+  const Variant* variant = nullptr;
+  std::string err;
+  if (dtype_name == nullptr) {
+    err = "dtype: bf16 or f16 only";
+  } else if (!(variant = find_variant(std::string("grouped_gemm_") + dtype_name + "_" +
+                                      std::string(epilogue)))) {
+    err = "epilogue: no kernel variant for " + std::string(epilogue);
+  }
+  if (err.empty()) err = expect("rhs", rhs, dtype, {groups, k, columns});
+  if (err.empty()) err = expect("bias", bias, ffi::DataType::F32, {groups, columns});
   if (err.empty()) err = expect("tile_starts", tile_starts, ffi::DataType::S32, {groups + 1});
   if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
   if (err.empty()) err = expect("out", *out, dtype, {m, n});
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (err.empty() && (m > kMax || k > kMax || n > kMax || groups >= kMax)) {
+  if (err.empty() && (m > kMax || k > kMax || columns > kMax || groups >= kMax)) {
     err = "dimensions past 2^31-1";
   }
   if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
@@ -69,19 +117,10 @@ ffi::Error cute_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBu
     ffi::Error e = fill_bytes(stream, kOp, 0xFF, out->untyped_data(), out->size_bytes());
     if (e.failure()) return e;
   }
-  const auto run = [&](auto wrapper, auto load) {
-    return launch(load, wrapper, stream, lhs, rhs, tile_starts, row_starts, *out,
-                  static_cast<int32_t>(m), static_cast<int32_t>(k), static_cast<int32_t>(n),
-                  static_cast<int32_t>(groups));
-  };
-  switch (dtype) {
-    case ffi::DataType::BF16:
-      return run(cute_dsl_grouped_gemm_bf16_wrapper, grouped_gemm_bf16_Kernel_Module_Load);
-    case ffi::DataType::F16:
-      return run(cute_dsl_grouped_gemm_f16_wrapper, grouped_gemm_f16_Kernel_Module_Load);
-    default:
-      return invalid_argument(stage_message(kOp, "arguments", "dtype: bf16 or f16 only"));
-  }
+  return variant->run(Call{stream, lhs, rhs, bias, tile_starts, row_starts, out,
+                           static_cast<int32_t>(m), static_cast<int32_t>(k),
+                           static_cast<int32_t>(n), static_cast<int32_t>(columns),
+                           static_cast<int32_t>(groups)});
 }
 
 }  // namespace
@@ -92,6 +131,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxCuteGroupedGemm, cudnn_jax::cute_grouped_g
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()   // lhs
                                   .Arg<xla::ffi::AnyBuffer>()   // rhs
+                                  .Arg<xla::ffi::AnyBuffer>()   // bias
                                   .Arg<xla::ffi::AnyBuffer>()   // tile_starts
                                   .Arg<xla::ffi::AnyBuffer>()   // row_starts
-                                  .Ret<xla::ffi::AnyBuffer>());  // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Attr<std::string_view>("epilogue"));

@@ -1,13 +1,19 @@
-"""Grouped GEMM for sm_90a: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` with the group
-sizes read on the device (no host sync), WGMMA fed by TMA through a multistage pipeline.
+"""Grouped GEMM for sm_90a with a fused epilogue: for the rows of group g,
+``h = lhs @ rhs[g] + bias[g]`` (float32), then ``out = act(h)`` or, for a GLU,
+``out = act(h[:, :N]) * h[:, N:]``; group sizes are read on the device (no host sync),
+WGMMA is fed by TMA through a multistage pipeline.
 
-Layouts (CuTe mode order, ``L`` the batch mode):
-  lhs ``(M, K, 1)`` K-fastest; rhs ``(N, K, G)`` N-fastest, i.e. ``rhs [G, K, N]`` as stored;
-  out ``(M, N, 1)`` N-fastest; ``tile_starts [G+1]`` int32, the exclusive cumulative sum of
-  ``ceil(size_g / TILE_M)``; ``row_starts [G+1]`` int32, the exclusive cumulative sum of
-  the group sizes.
+Layouts (CuTe mode order, ``L`` the batch mode); C = N, or 2N for a GLU:
+  lhs ``(M, K, 1)`` K-fastest; rhs ``(C, K, G)`` C-fastest, i.e. ``rhs [G, K, C]`` as stored;
+  bias ``(C, G)`` float32, i.e. ``bias [G, C]``; out ``(M, N, 1)`` N-fastest;
+  ``tile_starts [G+1]`` int32, the exclusive cumulative sum of ``ceil(size_g / TILE_M)``;
+  ``row_starts [G+1]`` int32, the exclusive cumulative sum of the group sizes.
 
-Grid: ``(ceil(M / TILE_M) + G, ceil(N / TILE_N))``, an upper bound of the row tiles of
+A GLU tile computes 128 output columns: the gate columns ``[j*128, j*128+128)`` and the
+matching up columns ``N + [j*128, ...)`` as two 128-wide MMAs into two accumulators that
+hold the same (row, column) in the same registers, so the product needs no data movement.
+
+Grid: ``(ceil(M / TILE_M) + G, ceil(N / tile width))``, an upper bound of the row tiles of
 every split. CTA ``(t, j)`` finds its group g with ``tile_starts[g] <= t <
 tile_starts[g+1]`` (CTAs past the last tile do nothing), loads the 128 rows from
 ``row_starts[g] + (t - tile_starts[g]) * TILE_M`` by TMA (rows of the next group or past M
@@ -22,42 +28,70 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
-TILE_M, TILE_N = 128, 256
+TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile reads (2 x 128 for a GLU)
 THREADS = 256  # two consumer warpgroups, 64 rows each
 SMEM_BYTES = 227 * 1024
 BARRIER_BYTES = 1024
 
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "srelu")  # as cudnn_jax.epilogue
+GLU_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+EPILOGUES = ("none",) + ACTIVATIONS + tuple(GLU_ACTIVATION)
+
+
+def _activate(x, name):
+  """One float32 value through an activation of cudnn_jax.epilogue (gelu: the erf form)."""
+  if name is None:
+    return x
+  if name in ("relu", "srelu"):
+    r = cute.math.max(x, cutlass.Float32(0.0))
+    return r * r if name == "srelu" else r
+  if name == "silu":
+    return x / (1.0 + cute.math.exp(-x))
+  if name == "gelu":
+    return 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476))
+  assert name == "gelu_tanh", name
+  return 0.5 * x * (1.0 + cute.math.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
 
 class GroupedGemm:
-  """One compiled variant: ``dtype`` of lhs, rhs and out; float32 accumulation."""
+  """One compiled variant: ``dtype`` of lhs, rhs and out, float32 accumulation, and the
+  epilogue: "none", an activation, or a GLU (``EPILOGUES``)."""
 
-  def __init__(self, dtype):
+  def __init__(self, dtype, epilogue="none"):
+    assert epilogue in EPILOGUES, epilogue
     self.dtype = dtype
     self.acc_dtype = cutlass.Float32
+    self.epilogue = epilogue
+    self.glu = epilogue in GLU_ACTIVATION
+    self.activation = GLU_ACTIVATION.get(epilogue, None if epilogue == "none" else epilogue)
+    self.halves = 2 if self.glu else 1  # B column blocks per tile: gate and up for a GLU
 
   def __repr__(self):  # part of the exported symbol names: keep them stable
-    return f"GroupedGemm_{self.dtype.__name__}"
+    return f"GroupedGemm_{self.dtype.__name__}_{self.epilogue}"
 
   @cute.jit
-  def __call__(self, lhs: cute.Tensor, rhs: cute.Tensor, out: cute.Tensor,
+  def __call__(self, lhs: cute.Tensor, rhs: cute.Tensor, bias: cute.Tensor, out: cute.Tensor,
                tile_starts: cute.Tensor, row_starts: cute.Tensor, stream: cuda.CUstream):
     a_major = utils.LayoutEnum.from_tensor(lhs)
     b_major = utils.LayoutEnum.from_tensor(rhs)
+    tile_n = TILE_N // self.halves  # output columns per tile
     self.tiled_mma = sm90.make_trivial_tiled_mma(
         self.dtype, self.dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-        self.acc_dtype, (2, 1, 1), tiler_mn=(64, TILE_N))
+        self.acc_dtype, (2, 1, 1), tiler_mn=(64, tile_n))
     tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
-    self.tile_mnk = (TILE_M, TILE_N, tile_k)
+    self.tile_mnk = (TILE_M, tile_n, tile_k)
     stage_bytes = (TILE_M + TILE_N) * tile_k * self.dtype.width // 8
     self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
     self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
-    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype, self.stages)
+    # B's slots: stage s holds its halves at s * halves + h.
+    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype,
+                                          self.stages * self.halves)
 
     g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
     tma_a, tma_lhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
         g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
     tma_b, tma_rhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, rhs, cute.slice_(self.b_smem, (None, None, 0)), (TILE_N, tile_k))
+        g2s, rhs, cute.slice_(self.b_smem, (None, None, 0)), (tile_n, tile_k))
 
     @cute.struct
     class Storage:
@@ -68,14 +102,14 @@ class GroupedGemm:
     self.storage = Storage
     groups = cute.size(row_starts, mode=[0]) - 1
     row_tiles = (cute.size(lhs, mode=[0]) + TILE_M - 1) // TILE_M + groups
-    col_tiles = (cute.size(rhs, mode=[0]) + TILE_N - 1) // TILE_N
-    self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, out, tile_starts, row_starts,
+    col_tiles = (cute.size(out, mode=[1]) + tile_n - 1) // tile_n
+    self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, bias, out, tile_starts, row_starts,
                 self.tiled_mma, self.a_smem, self.b_smem).launch(
                     grid=[row_tiles, col_tiles, 1], block=[THREADS, 1, 1], stream=stream)
 
   @cute.kernel
   def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-             mB: cute.Tensor, mC: cute.Tensor, tile_starts: cute.Tensor,
+             mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor, tile_starts: cute.Tensor,
              row_starts: cute.Tensor, tiled_mma: cute.TiledMma,
              a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
     tidx, _, _ = cute.arch.thread_idx()
@@ -88,7 +122,8 @@ class GroupedGemm:
     smem = cutlass.utils.SmemAllocator()
     storage = smem.allocate(self.storage)
     stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
-                   + cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
+                   + self.halves
+                   * cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
     loads = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -112,13 +147,18 @@ class GroupedGemm:
       sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
       gA = cute.local_tile(cute.domain_offset((row_start, 0, 0), mA), self.tile_mnk,
                            (0, col_tile, None, 0), proj=(1, None, 1))
-      gB = cute.local_tile(mB, self.tile_mnk, (0, col_tile, None, group), proj=(None, 1, 1))
       tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
           tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
           cute.group_modes(gA, 0, 2))
-      tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-          tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-          cute.group_modes(gB, 0, 2))
+      n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
+      tBgB = []
+      for h in cutlass.range_constexpr(self.halves):
+        gB = cute.local_tile(cute.domain_offset((h * n, 0, 0), mB), self.tile_mnk,
+                             (0, col_tile, None, group), proj=(None, 1, 1))
+        tBsB, tBgB_h = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2))
+        tBgB.append(tBgB_h)
 
       warpgroup = cute.arch.make_warp_uniform(tidx // 128)
       thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup))
@@ -127,8 +167,11 @@ class GroupedGemm:
       gC = cute.local_tile(cute.domain_offset((row_start, 0, 0), mC), self.tile_mnk,
                            (0, col_tile, None, 0), proj=(1, 1, None))
       tCgC = thr_mma.partition_C(gC)
-      acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-      acc.fill(0.0)
+      accs = []
+      for h in cutlass.range_constexpr(self.halves):
+        acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+        acc.fill(0.0)
+        accs.append(acc)
       tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc += A B throughout
 
       # Warp 0 keeps up to stages - 1 K tiles in flight; every warp consumes them in order,
@@ -142,9 +185,11 @@ class GroupedGemm:
         if k >= self.stages - 1:
           loads.consumer_wait(consume)
           cute.nvgpu.warpgroup.fence()
-          for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, consume.index)],
-                      tCrB[(None, None, kb, consume.index)], acc)
+          for h in cutlass.range_constexpr(self.halves):
+            b_slot = consume.index * self.halves + h
+            for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+              cute.gemm(tiled_mma, accs[h], tCrA[(None, None, kb, consume.index)],
+                        tCrB[(None, None, kb, b_slot)], accs[h])
           cute.nvgpu.warpgroup.commit_group()
           cute.nvgpu.warpgroup.wait_group(1)  # the previous tile's MMAs are done
           if k >= self.stages:
@@ -156,34 +201,43 @@ class GroupedGemm:
           barrier = loads.producer_get_barrier(produce)
           cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)],
                     tma_bar_ptr=barrier)
-          cute.copy(tma_b, tBgB[(None, produce.count)], tBsB[(None, produce.index)],
-                    tma_bar_ptr=barrier)
+          for h in cutlass.range_constexpr(self.halves):
+            cute.copy(tma_b, tBgB[h][(None, produce.count)],
+                      tBsB[(None, produce.index * self.halves + h)], tma_bar_ptr=barrier)
           loads.producer_commit(produce)
           produce.advance()
       cute.nvgpu.warpgroup.wait_group(0)
 
-      # Epilogue: convert, then store only this group's rows (and columns inside N).
-      rC = cute.make_rmem_tensor(tCgC.shape, self.dtype)
-      rC.store(acc.load().to(self.dtype))
-      tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-      n = cute.size(mB, mode=[0])
-      for i in cutlass.range_constexpr(cute.size(rC)):
+      # Epilogue, in float32: bias, activation or GLU; then store only this group's rows
+      # (and columns inside N).
+      tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_mnk[1])))
+      for i in cutlass.range_constexpr(cute.size(tCgC)):
         coord = tCcC[i]
-        if row_start + coord[0] < row_end and col_tile * TILE_N + coord[1] < n:
-          tCgC[i] = rC[i]
+        col = col_tile * self.tile_mnk[1] + coord[1]
+        if row_start + coord[0] < row_end and col < n:
+          y = _activate(accs[0][i] + mBias[col, group], self.activation)
+          if cutlass.const_expr(self.glu):
+            y = y * (accs[1][i] + mBias[n + col, group])
+          tCgC[i] = y.to(self.dtype)
 
 
 def variants():
-  """(prefix, jit function, compile arguments): bf16 and f16."""
+  """(prefix, jit function, compile arguments): bf16 and f16, every epilogue;
+  prefix ``grouped_gemm_<dtype>_<epilogue>``."""
   for name, dtype in (("bf16", cutlass.BFloat16), ("f16", cutlass.Float16)):
-    m, k, n = cute.sym_int32(symbol="m"), cute.sym_int32(8, "k"), cute.sym_int32(8, "n")
-    groups_plus_one = cute.sym_int32(symbol="groups_plus_one")
-    lhs = cute.runtime.make_fake_tensor(dtype, (m, k, 1), (k, 1, cute.sym_int64(8)),
-                                        assumed_align=16)
-    rhs = cute.runtime.make_fake_tensor(dtype, (n, k, cute.sym_int32()),
-                                        (1, n, cute.sym_int64(8)), assumed_align=16)
-    out = cute.runtime.make_fake_tensor(dtype, (m, n, 1), (n, 1, cute.sym_int64(8)),
-                                        assumed_align=16)
-    starts = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Int32, (groups_plus_one,))
-    yield (f"grouped_gemm_{name}", GroupedGemm(dtype),
-           (lhs, rhs, out, starts(), starts(), cuda.CUstream(0)))
+    for epilogue in EPILOGUES:
+      m, k = cute.sym_int32(symbol="m"), cute.sym_int32(8, "k")
+      n, c = cute.sym_int32(8, "n"), cute.sym_int32(8, "c")  # c = n, or 2n for a GLU
+      groups = cute.sym_int32(symbol="groups")
+      groups_plus_one = cute.sym_int32(symbol="groups_plus_one")
+      lhs = cute.runtime.make_fake_tensor(dtype, (m, k, 1), (k, 1, cute.sym_int64(8)),
+                                          assumed_align=16)
+      rhs = cute.runtime.make_fake_tensor(dtype, (c, k, groups),
+                                          (1, c, cute.sym_int64(8)), assumed_align=16)
+      bias = cute.runtime.make_fake_tensor(cutlass.Float32, (c, groups), (1, c))
+      out = cute.runtime.make_fake_tensor(dtype, (m, n, 1), (n, 1, cute.sym_int64(8)),
+                                          assumed_align=16)
+      starts = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Int32,
+                                                             (groups_plus_one,))
+      yield (f"grouped_gemm_{name}_{epilogue}", GroupedGemm(dtype, epilogue),
+             (lhs, rhs, bias, out, starts(), starts(), cuda.CUstream(0)))

@@ -118,13 +118,18 @@ def node_emulation(lhs, rhs_nk, offsets):
                     rhs_nk[gid].astype(jnp.float32)).astype(lhs.dtype)
 
 
-def kernel_emulation(lhs, rhs, tile_starts, row_starts):
-  """kernels/grouped_gemm_sm90.py: rows of group g in [row_starts[g], row_starts[g+1]),
-  every other row left as it was (here: NaN, as the poisoned GPU tests leave it)."""
+def kernel_emulation(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
+  """kernels/grouped_gemm_sm90.py: ``epilogue(lhs @ rhs[g] + bias[g])`` for the rows of
+  group g in [row_starts[g], row_starts[g+1]), every other row left as it was (here: NaN,
+  as the poisoned GPU tests leave it)."""
   del tile_starts
+  from cudnn_jax import epilogue as epilogues  # pylint: disable=g-import-not-at-top
   rows = jnp.arange(lhs.shape[0])
   gid = jnp.sum(rows[:, None] >= row_starts[None, 1:-1], axis=1)
   out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[gid].astype(jnp.float32))
+  glu = epilogue if epilogue in epilogues.GLU_ACTIVATION else None
+  activation = None if glu or epilogue == "none" else epilogue
+  out = epilogues.apply(out, bias[gid], activation=activation, glu=glu)
   inside = (rows >= row_starts[0]) & (rows < row_starts[-1])
   return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
 

@@ -333,25 +333,29 @@ def test_explain_with_shape_structs():
 
 
 @pytest.mark.parametrize("engine", ["cudnn", "cute"])
-def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine):
-  """A GPU engine's wiring (weight layouts, offsets, masked tail, VJP) with its FFI call
-  replaced by an emulation, against the xla engine's product."""
+@pytest.mark.parametrize("glu,activation,with_bias", [
+    ("swiglu", None, True), (None, "gelu_tanh", True), (None, None, False)])
+def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, glu, activation,
+                                             with_bias):
+  """A GPU engine's wiring (weight layouts, offsets, epilogue, masked tail, VJP) with its
+  FFI call replaced by an emulation, against the xla engine: the value alone (the cute
+  engine's fused epilogue) and under differentiation."""
   gemm_module = importlib.import_module("cudnn_jax.gemm")
   oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
-  product = gemm_module.grouped_products[engine]
+  run = gemm_module.grouped_gemms[engine]
   from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  lhs, rhs, sizes, bias = grouped_case(jnp.float32, "swiglu", [3, 0, 4], m=9, k=6, n=5)
+  lhs, rhs, sizes, bias = grouped_case(jnp.float32, glu, [3, 0, 4], m=9, k=6, n=5)
+  bias = bias if with_bias else None
   ct = normal(7, (9, 5))
 
-  def grads(product):
-    f = lambda lhs, rhs, bias: ref.grouped_gemm(lhs, rhs, sizes, bias, glu="swiglu",
-                                                product=product)
+  def grads(run):
+    f = lambda lhs, rhs, bias: run(lhs, rhs, sizes, bias, glu=glu, activation=activation)
     out, pull = jax.vjp(f, lhs, rhs, bias)
-    return (out,) + pull(ct)
+    return (f(lhs, rhs, bias), out) + pull(ct)
 
-  got, want = grads(product), grads(ref.grouped_product)
+  got, want = grads(run), grads(ref.grouped_gemm)
   assert np.all(np.asarray(got[0])[7:] == 0)
-  for g, w in zip(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 

@@ -202,13 +202,16 @@ def test_gpu_engine_python_side(monkeypatch, engine):
   from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
   x, idx, weights, w_up, w_down = moe_case()
 
-  def loss(product, *diff):
-    y = ref.moe_mlp(diff[0], idx, *diff[1:], glu="swiglu", activation=None, product=product)
+  def loss(grouped_gemm, *diff):
+    y = ref.moe_mlp(diff[0], idx, *diff[1:], glu="swiglu", activation=None,
+                    grouped_gemm=grouped_gemm)
     return jnp.sum(jnp.sin(y))
 
   args = (x, weights, w_up, w_down)
-  got = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(gemm_module.grouped_products[engine],
-                                                      *args)
-  want = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))(ref.ref_gemm.grouped_product, *args)
+  value_and_grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))
+  got = value_and_grad(gemm_module.grouped_gemms[engine], *args)
+  want = value_and_grad(ref.ref_gemm.grouped_gemm, *args)
+  np.testing.assert_allclose(loss(gemm_module.grouped_gemms[engine], *args), want[0],
+                             rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -57,6 +57,13 @@ def run(lhs, rhs, sizes, bias, cotangent, *, activation, glu, implementation):
   return out, pull(cotangent.astype(out.dtype))[0]
 
 
+@functools.partial(jax.jit, static_argnames=("activation", "glu", "implementation"))
+def forward(lhs, rhs, sizes, bias, *, activation, glu, implementation):
+  """The output alone: not differentiated, the cute engine runs its fused epilogue."""
+  return cudnn_jax.grouped_gemm(lhs, rhs, sizes, bias=bias, activation=activation, glu=glu,
+                                implementation=implementation)
+
+
 @pytest.mark.parametrize("engine", ["cudnn", "cute"])
 def test_grouped_gemm_gpu_engine_sweep(engine, capsys):
   rng = np.random.default_rng(7)
@@ -77,12 +84,14 @@ def test_grouped_gemm_gpu_engine_sweep(engine, capsys):
       record.update(status="declined", reason=str(e)[:300])
     else:
       ref_out, ref_grads = on("xla")
-      errors = {"out": rel_err(out, ref_out),
+      alone = forward(lhs, rhs, sizes, bias, activation=activation, glu=glu,
+                      implementation=engine)
+      errors = {"out": rel_err(out, ref_out), "out alone": rel_err(alone, ref_out),
                 "out vs oracle": rel_err(out, oracle.grouped_gemm(*case[:4], activation, glu))}
       errors.update({f"d{k}": rel_err(g, ref_grads[k]) for k, g in grads.items()})
-      tail = np.asarray(out, np.float32)[int(sizes.sum()):]
+      tails = [np.asarray(o, np.float32)[int(sizes.sum()):] for o in (out, alone)]
       problems = [f"{k}: {v:.3g}" for k, v in errors.items() if not v <= REL_TOL]
-      if np.any(tail != 0):
+      if any(np.any(tail != 0) for tail in tails):
         problems.append("rows past sum(group_sizes) are not 0")
       record.update(status="failed" if problems else "ok", errors=errors, problems=problems)
     records.append(record)
@@ -142,3 +151,7 @@ def test_gemm_cute_engine_matches_xla(shape, glu, activation):
   got, want = run(a, b, bias, implementation="cute"), run(a, b, bias, implementation="xla")
   for name, g, w in zip(["out", "amax", "da", "db", "dbias"], got, want):
     assert rel_err(g, oracle.f64(w)) <= REL_TOL, name
+  # Not differentiated and without amax, the epilogue runs fused in the kernel.
+  alone = jax.jit(lambda a, b, bias: cudnn_jax.gemm(
+      a, b, bias=bias, glu=glu, activation=activation, implementation="cute"))(a, b, bias)
+  assert rel_err(alone, oracle.f64(want[0])) <= REL_TOL, "out, fused epilogue"
