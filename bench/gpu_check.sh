@@ -3,7 +3,8 @@
 #   bench/gpu_check.sh LOG_DIR [WHEEL_DIR] [SWEEP_PROCESSES]
 # Environment: BENCHES (default "sdpa"), BENCH_ARGS (or BENCH_ARGS_<name>, e.g.
 # BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
-# SUITE_ARGS, NAMED_TESTS (test paths in the tree, default tests/gpu), and the *_TIMEOUT
+# SUITE_ARGS, NAMED_TESTS (test paths or node ids in the tree, default tests/gpu),
+# NAMED_PARALLEL (non-empty: one process per NAMED_TESTS entry, run at once), the *_TIMEOUT
 # limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers);
 # .aot/ (carried, git-ignored) the kernel objects from `python kernels/aot.py .aot`.
@@ -30,9 +31,22 @@ echo "build: $(( $(date +%s) - start )) s"
 NAMED=(); for t in ${NAMED_TESTS:-tests/gpu}; do NAMED+=("$TREE/$t"); done
 # From outside the tree, so the installed package (with its extension) is imported.
 cd /tmp
-[ "${NAMED_TIMEOUT:-120}" = 0 ] || timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "not random_sweep" \
-  "${NAMED[@]}" \
-  > "$LOG/pytest_named.log" 2>&1; echo "named GPU tests: $(tail -1 "$LOG/pytest_named.log")"
+named_tests() {  # LOG_NAME TEST...
+  local log=$1; shift
+  timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
+    -k "not random_sweep" "$@" > "$LOG/$log.log" 2>&1
+  echo "named GPU tests ($log): $(tail -1 "$LOG/$log.log")"
+}
+if [ "${NAMED_TIMEOUT:-120}" != 0 ]; then
+  if [ -n "${NAMED_PARALLEL:-}" ]; then  # one process per entry of NAMED_TESTS, at once
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / ${#NAMED[@]}, 3))")
+    for i in "${!NAMED[@]}"; do named_tests "pytest_named_$i" "${NAMED[$i]}" & done
+    wait
+    unset XLA_PYTHON_CLIENT_MEM_FRACTION
+  else
+    named_tests pytest_named "${NAMED[@]}"
+  fi
+fi
 # The portable suite (pure-JAX engines included) on the GPU backend.
 [ "${SUITE_TIMEOUT:-0}" = 0 ] || { timeout "$SUITE_TIMEOUT" python3 -m pytest -q \
   -p no:cacheprovider --ignore "$TREE/tests/gpu" ${SUITE_ARGS:-} "$TREE/tests" \
