@@ -166,7 +166,9 @@ class GroupedGemm:
       tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
       gC = cute.local_tile(cute.domain_offset((row_start, 0, 0), mC), self.tile_mnk,
                            (0, col_tile, None, 0), proj=(1, 1, None))
-      tCgC = thr_mma.partition_C(gC)
+      # Accumulator registers are per thread: partition C by the thread, not the warpgroup.
+      thr_c = tiled_mma.get_slice(tidx)
+      tCgC = thr_c.partition_C(gC)
       accs = []
       for h in cutlass.range_constexpr(self.halves):
         acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
@@ -210,7 +212,7 @@ class GroupedGemm:
 
       # Epilogue, in float32: bias, activation or GLU; then store only this group's rows
       # (and columns inside N).
-      tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_mnk[1])))
+      tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, self.tile_mnk[1])))
       for i in cutlass.range_constexpr(cute.size(tCgC)):
         coord = tCcC[i]
         col = col_tile * self.tile_mnk[1] + coord[1]

@@ -174,6 +174,23 @@ def test_grouped_gemm_grads_match_oracle(activation, glu, with_bias):
   assert np.all(np.asarray(got[0][sum(sizes):]) == 0)  # tail rows get no gradient
 
 
+def test_grouped_gemm_bf16_bias_grad_sums_in_float32():
+  """The bias gradient sums over each group's rows: in bf16 those sums would lose digits
+  (a gather of the bf16 bias once scattered bf16 cotangents); it must stay near float64."""
+  sizes, m = [600, 0, 424], 1024
+  lhs, rhs, group_sizes, bias = grouped_case("bfloat16", "swiglu", sizes, m)
+  ct = normal(9, (m, 8))
+
+  def loss(bias):
+    return jnp.sum(grouped_gemm(lhs, rhs, group_sizes, bias=bias, glu="swiglu") * ct)
+
+  got = jax.jit(jax.grad(loss))(bias)
+  args = (lhs, rhs, group_sizes, bias)
+  want = oracle.grads64(oracle.grouped_gemm_dense, args, (3,), ct, glu="swiglu")[0]
+  err = np.linalg.norm(oracle.f64(got) - want) / np.linalg.norm(want)
+  assert err < 1e-2, err
+
+
 # ---------------------------------------------------------------------------------------
 # Transformations and sharding.
 

@@ -131,7 +131,8 @@ def grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None,
   gid = group_ids(group_sizes, lhs.shape[0])
   row_bias = None
   if bias is not None:
-    row_bias = bias[jnp.minimum(gid, rhs.shape[0] - 1)]
+    # Gathered in float32, so its gradient (a sum over each group's rows) adds in float32.
+    row_bias = bias.astype(jnp.float32)[jnp.minimum(gid, rhs.shape[0] - 1)]
   y = epilogue.apply(h, row_bias, activation=activation, glu=glu)
   return jnp.where((gid < rhs.shape[0])[:, None], y, 0.0)
 
