@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.grouped_gemm, gemm (+SwiGLU) and moe_mlp against plain XLA.
 
-    python bench/moe.py [--out DIR] [--quick]
+    python bench/moe.py [--out DIR] [--quick] [--cases grouped,swiglu,moe]
 
 On a GPU, bfloat16:
 - grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
@@ -147,25 +147,28 @@ def moe_case(t, d, f, e, top_k, dtype):
     return step
 
   on = lambda engine: functools.partial(moe_mlp, implementation=engine)
-  engines = {"cudnn_jax.moe_mlp": fwd_bwd(moe_mlp),
+  engines = {"cudnn_jax.moe_mlp cute": fwd_bwd(on("cute")),
              "cudnn_jax.moe_mlp cudnn": fwd_bwd(on("cudnn")),
-             "cudnn_jax.moe_mlp cute": fwd_bwd(on("cute")),
+             "cudnn_jax.moe_mlp": fwd_bwd(moe_mlp),
              "lax.ragged_dot layer": fwd_bwd(ragged_dot_moe)}
   flops = 3 * 6.0 * t * top_k * d * f
   return measure(f"moe_mlp fwd+bwd T{t} D{d} F{f} E{e} top{top_k}", engines,
                  (x, idx.astype(jnp.int32), weights, w_up, w_down, dy), flops, forward=False)
 
 
-def run(quick, dtype):
+CASES = ("grouped", "swiglu", "moe")
+
+
+def run(quick, dtype, cases=CASES):
   if quick:
     grouped = [(256, 64, 32, 4), (512, 32, 48, 16)]
     swiglu, moe = (128, 64, 64), (128, 64, 32, 8, 2)
   else:
     grouped = [(32768, 4096, 2048, 8), (65536, 2048, 1408, 64)]
     swiglu, moe = (16384, 4096, 4096), (16384, 4096, 2048, 64, 4)
-  rows = grouped_cases(grouped, dtype)
-  rows += swiglu_case(*swiglu, dtype)
-  rows += moe_case(*moe, dtype)
+  rows = grouped_cases(grouped, dtype) if "grouped" in cases else []
+  rows += swiglu_case(*swiglu, dtype) if "swiglu" in cases else []
+  rows += moe_case(*moe, dtype) if "moe" in cases else []
   return rows
 
 
@@ -183,6 +186,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  parser.add_argument("--cases", default=",".join(CASES),
+                      help=f"comma-separated subset of {','.join(CASES)}")
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.quick:
@@ -194,7 +199,7 @@ def main():
                           jax.ShapeDtypeStruct((2,), jnp.int32)))
   print(HEADER)
   start = time.perf_counter()
-  rows = run(args.quick, dtype)
+  rows = run(args.quick, dtype, args.cases.split(","))
   elapsed = time.perf_counter() - start
   path = write_results(args.out, "moe", rows, quick=args.quick, dtype=jnp.dtype(dtype).name,
                        seconds=elapsed, warmup=WARMUP, calls=CALLS)
