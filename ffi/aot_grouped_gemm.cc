@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -33,12 +34,27 @@ struct Call {
   ffi::AnyBuffer lhs, rhs, bias, tile_starts, row_starts;
   ffi::Result<ffi::AnyBuffer> out;
   int32_t m, k, n, columns, groups;
+  int32_t ctas;  // persistent CTAs
 };
+
+constexpr int64_t kTileM = 128, kTileN = 256, kGluTileN = 128;  // the kernel's tiles
+
+// One CTA per SM, fewer when even the largest split has fewer tiles.
+int32_t persistent_ctas(int64_t m, int64_t n, int64_t groups, bool glu) {
+  const int64_t tile_n = glu ? kGluTileN : kTileN;
+  const int64_t tiles = ((m + kTileM - 1) / kTileM + groups) * ((n + tile_n - 1) / tile_n);
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    sms = 132;
+  }
+  return static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(tiles, sms)));
+}
 
 // The launch shared by every variant; their tensor structs differ only in name.
 template <typename Module, typename Lhs, typename Rhs, typename Bias, typename Out,
           typename Tiles, typename Rows>
-ffi::Error launch(int32_t (*wrapper)(Module*, Lhs*, Rhs*, Bias*, Out*, Tiles*, Rows*,
+ffi::Error launch(int32_t (*wrapper)(Module*, Lhs*, Rhs*, Bias*, Out*, Tiles*, Rows*, int32_t,
                                      cudaStream_t),
                   void (*load)(Module*), const Call& c) {
   const int32_t m = c.m, k = c.k, n = c.n, cols = c.columns, groups = c.groups;
@@ -48,7 +64,8 @@ ffi::Error launch(int32_t (*wrapper)(Module*, Lhs*, Rhs*, Bias*, Out*, Tiles*, R
   Out out{c.out->untyped_data(), {m, n}, {n, int64_t{m} * n}};
   Tiles tiles{c.tile_starts.untyped_data(), {groups + 1}};
   Rows rows{c.row_starts.untyped_data(), {groups + 1}};
-  int32_t err = wrapper(loaded_module(load), &a, &b, &bias, &out, &tiles, &rows, c.stream);
+  int32_t err = wrapper(loaded_module(load), &a, &b, &bias, &out, &tiles, &rows, c.ctas,
+                        c.stream);
   if (err != 0) {
     return internal_error(
         stage_message(kOp, "launch", cudaGetErrorString(static_cast<cudaError_t>(err))));
@@ -120,7 +137,8 @@ ffi::Error cute_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBu
   return variant->run(Call{stream, lhs, rhs, bias, tile_starts, row_starts, out,
                            static_cast<int32_t>(m), static_cast<int32_t>(k),
                            static_cast<int32_t>(n), static_cast<int32_t>(columns),
-                           static_cast<int32_t>(groups)});
+                           static_cast<int32_t>(groups),
+                           persistent_ctas(m, n, groups, is_glu(epilogue))});
 }
 
 }  // namespace

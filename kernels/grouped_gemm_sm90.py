@@ -13,12 +13,15 @@ A GLU tile computes 128 output columns: the gate columns ``[j*128, j*128+128)`` 
 matching up columns ``N + [j*128, ...)`` as two 128-wide MMAs into two accumulators that
 hold the same (row, column) in the same registers, so the product needs no data movement.
 
-Grid: ``(ceil(M / TILE_M) + G, ceil(N / tile width))``, an upper bound of the row tiles of
-every split. CTA ``(t, j)`` finds its group g with ``tile_starts[g] <= t <
-tile_starts[g+1]`` (CTAs past the last tile do nothing), loads the 128 rows from
-``row_starts[g] + (t - tile_starts[g]) * TILE_M`` by TMA (rows of the next group or past M
-come along and are never stored), multiplies them with ``rhs[g]`` and stores the rows that
-belong to g. Rows past ``sum(sizes)`` are not written (the caller zeroes them).
+Persistent and warp-specialized: ``ctas`` CTAs (at most one per SM) walk the output tiles
+``(t, j)`` (row tile t, column tile j; ``tile_starts[G] * ceil(N / tile width)`` of them,
+read on the device) in steps of ``ctas``. Warpgroup 0 loads (one thread issues the TMA
+copies into a ring of shared-memory stages); warpgroups 1 and 2 multiply 64 rows each and
+run the epilogue, while the loads of their next tile are already in flight. For row tile t
+the group g satisfies ``tile_starts[g] <= t < tile_starts[g+1]``; its 128 rows start at
+``row_starts[g] + (t - tile_starts[g]) * TILE_M`` (rows of the next group or past M come
+along and are never stored), and only the rows that belong to g are stored. Rows past
+``sum(sizes)`` are not written (the caller zeroes them).
 """
 
 import cuda.bindings.driver as cuda
@@ -29,7 +32,9 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
 TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile reads (2 x 128 for a GLU)
-THREADS = 256  # two consumer warpgroups, 64 rows each
+THREADS = 384  # warpgroup 0 loads; warpgroups 1 and 2 multiply, 64 rows each
+MMA_WARPS = 8
+LOAD_REGS, MMA_REGS = 40, 232  # registers per thread after the warpgroups' setmaxnreg
 SMEM_BYTES = 227 * 1024
 BARRIER_BYTES = 1024
 
@@ -71,7 +76,8 @@ class GroupedGemm:
 
   @cute.jit
   def __call__(self, lhs: cute.Tensor, rhs: cute.Tensor, bias: cute.Tensor, out: cute.Tensor,
-               tile_starts: cute.Tensor, row_starts: cute.Tensor, stream: cuda.CUstream):
+               tile_starts: cute.Tensor, row_starts: cute.Tensor, ctas: cutlass.Int32,
+               stream: cuda.CUstream):
     a_major = utils.LayoutEnum.from_tensor(lhs)
     b_major = utils.LayoutEnum.from_tensor(rhs)
     tile_n = TILE_N // self.halves  # output columns per tile
@@ -100,12 +106,24 @@ class GroupedGemm:
       b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
 
     self.storage = Storage
-    groups = cute.size(row_starts, mode=[0]) - 1
-    row_tiles = (cute.size(lhs, mode=[0]) + TILE_M - 1) // TILE_M + groups
-    col_tiles = (cute.size(out, mode=[1]) + tile_n - 1) // tile_n
     self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, bias, out, tile_starts, row_starts,
                 self.tiled_mma, self.a_smem, self.b_smem).launch(
-                    grid=[row_tiles, col_tiles, 1], block=[THREADS, 1, 1], stream=stream)
+                    grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+  @cute.jit
+  def tile_rows(self, tile_starts: cute.Tensor, row_starts: cute.Tensor, row_tile):
+    """(group, first row, end row of the group) of a row tile; group = G past the last."""
+    groups = cute.size(row_starts, mode=[0]) - 1
+    group = cutlass.Int32(0)
+    for g in cutlass.range(groups, unroll=1):
+      if tile_starts[g + 1] <= row_tile:
+        group = g + 1
+    row_start = cutlass.Int32(0)
+    row_end = cutlass.Int32(0)
+    if group < groups:
+      row_start = row_starts[group] + (row_tile - tile_starts[group]) * TILE_M
+      row_end = row_starts[group + 1]
+    return group, row_start, row_end
 
   @cute.kernel
   def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
@@ -113,7 +131,8 @@ class GroupedGemm:
              row_starts: cute.Tensor, tiled_mma: cute.TiledMma,
              a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
     tidx, _, _ = cute.arch.thread_idx()
-    row_tile, col_tile, _ = cute.arch.block_idx()
+    cta, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     if warp == 0:
       cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -127,64 +146,81 @@ class GroupedGemm:
     loads = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
         tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         defer_sync=True)
     pipeline.pipeline_init_arrive()
     pipeline.pipeline_init_wait()
 
-    # The group of this row tile: the number of groups whose tiles end at or before it.
-    groups = cute.size(row_starts, mode=[0]) - 1
-    group = cutlass.Int32(0)
-    for g in cutlass.range(groups, unroll=1):
-      if tile_starts[g + 1] <= row_tile:
-        group = g + 1
-    if group < groups:
-      # This tile's rows start at row_start (any row, not a multiple of TILE_M).
-      row_start = row_starts[group] + (row_tile - tile_starts[group]) * TILE_M
-      row_end = row_starts[group + 1]
-      sA = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-      sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-      gA = cute.local_tile(cute.domain_offset((row_start, 0, 0), mA), self.tile_mnk,
-                           (0, col_tile, None, 0), proj=(1, None, 1))
-      tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-          tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-          cute.group_modes(gA, 0, 2))
-      n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
-      tBgB = []
-      for h in cutlass.range_constexpr(self.halves):
-        gB = cute.local_tile(cute.domain_offset((h * n, 0, 0), mB), self.tile_mnk,
-                             (0, col_tile, None, group), proj=(None, 1, 1))
-        tBsB, tBgB_h = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2))
-        tBgB.append(tBgB_h)
+    sA = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+    sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+    n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
+    tile_n = self.tile_mnk[1]
+    col_tiles = (n + tile_n - 1) // tile_n
+    tiles = tile_starts[cute.size(tile_starts, mode=[0]) - 1] * col_tiles
+    k_tiles = (cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2]
+    warpgroup = cute.arch.make_warp_uniform(tidx // 128)
 
-      warpgroup = cute.arch.make_warp_uniform(tidx // 128)
-      thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup))
+    if warpgroup == 0:
+      # Loads: one thread keeps the ring of stages full, tile after tile.
+      cute.arch.setmaxregister_decrease(LOAD_REGS)
+      if warp == 0:
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.stages)
+        for tile in cutlass.range(cta, tiles, ctas, unroll=1):
+          row_tile = tile // col_tiles
+          col_tile = tile - row_tile * col_tiles
+          group, row_start, _ = self.tile_rows(tile_starts, row_starts, row_tile)
+          gA = cute.local_tile(cute.domain_offset((row_start, 0, 0), mA), self.tile_mnk,
+                               (0, col_tile, None, 0), proj=(1, None, 1))
+          tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+              tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+              cute.group_modes(gA, 0, 2))
+          tBgB = []
+          for h in cutlass.range_constexpr(self.halves):
+            gB = cute.local_tile(cute.domain_offset((h * n, 0, 0), mB), self.tile_mnk,
+                                 (0, col_tile, None, group), proj=(None, 1, 1))
+            tBsB, tBgB_h = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2))
+            tBgB.append(tBgB_h)
+          for k in cutlass.range(k_tiles, unroll=1):
+            loads.producer_acquire(produce)
+            barrier = loads.producer_get_barrier(produce)
+            cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, produce.index)],
+                      tma_bar_ptr=barrier)
+            for h in cutlass.range_constexpr(self.halves):
+              cute.copy(tma_b, tBgB[h][(None, k)],
+                        tBsB[(None, produce.index * self.halves + h)], tma_bar_ptr=barrier)
+            loads.producer_commit(produce)
+            produce.advance()
+        loads.producer_tail(produce)
+    else:
+      # Multiply-accumulate and epilogue: warpgroups 1 and 2, 64 rows of the tile each.
+      cute.arch.setmaxregister_increase(MMA_REGS)
+      mma_tidx = tidx - 128
+      thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup - 1))
       tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
       tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-      gC = cute.local_tile(cute.domain_offset((row_start, 0, 0), mC), self.tile_mnk,
-                           (0, col_tile, None, 0), proj=(1, 1, None))
       # Accumulator registers are per thread: partition C by the thread, not the warpgroup.
-      thr_c = tiled_mma.get_slice(tidx)
-      tCgC = thr_c.partition_C(gC)
+      thr_c = tiled_mma.get_slice(mma_tidx)
+      tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))
       accs = []
       for h in cutlass.range_constexpr(self.halves):
-        acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-        acc.fill(0.0)
-        accs.append(acc)
+        accs.append(cute.make_rmem_tensor(tCcC.shape, self.acc_dtype))
       tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc += A B throughout
 
-      # Warp 0 keeps up to stages - 1 K tiles in flight; every warp consumes them in order,
-      # with one tile's MMAs running while the next are issued, so a stage is released one
-      # tile late, and the load refilling it is issued after that release.
-      k_tiles = cute.size(gA, mode=[2])
-      produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
       consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-      for k in cutlass.range(k_tiles + self.stages - 1, unroll=1):
-        if k >= self.stages - 1:
+      for tile in cutlass.range(cta, tiles, ctas, unroll=1):
+        row_tile = tile // col_tiles
+        col_tile = tile - row_tile * col_tiles
+        group, row_start, row_end = self.tile_rows(tile_starts, row_starts, row_tile)
+        for h in cutlass.range_constexpr(self.halves):
+          accs[h].fill(0.0)
+        # One K tile's MMAs run while the next are issued: a stage is released once the
+        # MMAs reading it are known complete (wait_group(1) after the next tile's issue).
+        for k in cutlass.range(k_tiles, unroll=1):
           loads.consumer_wait(consume)
           cute.nvgpu.warpgroup.fence()
           for h in cutlass.range_constexpr(self.halves):
@@ -193,34 +229,28 @@ class GroupedGemm:
               cute.gemm(tiled_mma, accs[h], tCrA[(None, None, kb, consume.index)],
                         tCrB[(None, None, kb, b_slot)], accs[h])
           cute.nvgpu.warpgroup.commit_group()
-          cute.nvgpu.warpgroup.wait_group(1)  # the previous tile's MMAs are done
-          if k >= self.stages:
+          cute.nvgpu.warpgroup.wait_group(1)
+          if k > 0:
             loads.consumer_release(release)
             release.advance()
           consume.advance()
-        if warp == 0 and produce.count < k_tiles:
-          loads.producer_acquire(produce)
-          barrier = loads.producer_get_barrier(produce)
-          cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)],
-                    tma_bar_ptr=barrier)
-          for h in cutlass.range_constexpr(self.halves):
-            cute.copy(tma_b, tBgB[h][(None, produce.count)],
-                      tBsB[(None, produce.index * self.halves + h)], tma_bar_ptr=barrier)
-          loads.producer_commit(produce)
-          produce.advance()
-      cute.nvgpu.warpgroup.wait_group(0)
+        cute.nvgpu.warpgroup.wait_group(0)
+        loads.consumer_release(release)
+        release.advance()
 
-      # Epilogue, in float32: bias, activation or GLU; then store only this group's rows
-      # (and columns inside N).
-      tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, self.tile_mnk[1])))
-      for i in cutlass.range_constexpr(cute.size(tCgC)):
-        coord = tCcC[i]
-        col = col_tile * self.tile_mnk[1] + coord[1]
-        if row_start + coord[0] < row_end and col < n:
-          y = _activate(accs[0][i] + mBias[col, group], self.activation)
-          if cutlass.const_expr(self.glu):
-            y = y * (accs[1][i] + mBias[n + col, group])
-          tCgC[i] = y.to(self.dtype)
+        # Epilogue, in float32: bias, activation or GLU; then store only this group's rows
+        # (and columns inside N).
+        gC = cute.local_tile(cute.domain_offset((row_start, 0, 0), mC), self.tile_mnk,
+                             (0, col_tile, None, 0), proj=(1, 1, None))
+        tCgC = thr_c.partition_C(gC)
+        for i in cutlass.range_constexpr(cute.size(tCgC)):
+          coord = tCcC[i]
+          col = col_tile * tile_n + coord[1]
+          if row_start + coord[0] < row_end and col < n:
+            y = _activate(accs[0][i] + mBias[col, group], self.activation)
+            if cutlass.const_expr(self.glu):
+              y = y * (accs[1][i] + mBias[n + col, group])
+            tCgC[i] = y.to(self.dtype)
 
 
 def variants():
@@ -242,4 +272,4 @@ def variants():
       starts = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Int32,
                                                              (groups_plus_one,))
       yield (f"grouped_gemm_{name}_{epilogue}", GroupedGemm(dtype, epilogue),
-             (lhs, rhs, bias, out, starts(), starts(), cuda.CUstream(0)))
+             (lhs, rhs, bias, out, starts(), starts(), cutlass.Int32(1), cuda.CUstream(0)))
