@@ -1,6 +1,6 @@
-"""Benchmark of cudnn_jax.kda (xla engine) against FLA's chunk_kda when it is installed.
+"""Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick] [--profile]
+    python bench/kda.py [--out DIR] [--quick] [--profile] [--engine xla|cute]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -9,10 +9,11 @@ fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (C
 tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
-With --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
+--engine picks the cudnn_jax engine (default xla; "cute" fuses the forward's intra-chunk
+stage into one kernel). With --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
 XLA's command buffers turned off so that every kernel is seen.
-Writes DIR/kda.json (DIR defaults to bench/results).
+Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ def inputs(shape, seed=0):
                                     do=bf16(do)))
 
 
+ENGINE = "xla"  # --engine
+
+
 def jitted(x, backward, chunk_size=64):
-  """(jitted cudnn_jax.kda on the xla engine, forward or gradients, its arguments)."""
+  """(jitted cudnn_jax.kda on ENGINE, forward or gradients, its arguments)."""
   attn = lambda q, k, v, g, beta: cudnn_jax.kda(
       q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
-      implementation="xla")[0]
+      implementation=ENGINE)[0]
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
   if backward:
     loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * x["do"].astype(jnp.float32))
@@ -77,7 +81,7 @@ def jitted(x, backward, chunk_size=64):
 
 
 def ours(x, backward):
-  """(ms, forward output or None) for cudnn_jax.kda on the xla engine."""
+  """(ms, forward output or None) for cudnn_jax.kda on ENGINE."""
   fn, args = jitted(x, backward)
   return 1e3 * time_calls(fn, args, CALLS, WARMUP), None if backward else fn(*args)
 
@@ -186,7 +190,11 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table, where the device time goes by engine stage")
+  parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
   args = parser.parse_args()
+  global ENGINE  # pylint: disable=global-statement
+  ENGINE = args.engine
+  print(f"cudnn_jax engine: {ENGINE}")
   if args.profile:
     print_profile(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
                   else Shape(b=8, t=4096, h=16, k=128, v=128))
@@ -204,8 +212,9 @@ def main():
   start = time.perf_counter()
   rows = run(shapes, anchor)
   elapsed = time.perf_counter() - start
-  path = write_results(args.out, "kda", rows, quick=args.quick, seconds=elapsed,
-                       warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1])
+  path = write_results(args.out, f"kda_{ENGINE}", rows, quick=args.quick, seconds=elapsed,
+                       warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
+                       engine=ENGINE)
   print(f"{elapsed:.0f} s; wrote {path}")
 
 

@@ -36,6 +36,7 @@ class Config:
   neg_eig: bool = False
   cu_seqlens: tuple | None = None  # then b is 1 and t is cu_seqlens[-1]
   chunk_size: int = 64
+  engine: str = "xla"  # the implementation= the op runs on
 
 
 def make_case(cfg: Config, seed=0):
@@ -72,20 +73,21 @@ def make_case(cfg: Config, seed=0):
   return arrays, kwargs
 
 
-def call_op(op, arrays, kwargs):
+def call_op(op, arrays, kwargs, engine="xla"):
   q, k, v, g, beta = (arrays[n] for n in ("q", "k", "v", "g", "beta"))
   rest = {n: x for n, x in arrays.items() if n not in ("q", "k", "v", "g", "beta")}
-  return getattr(cudnn_jax, op)(q, k, v, g, beta, implementation="xla", **rest, **kwargs)
+  return getattr(cudnn_jax, op)(q, k, v, g, beta, implementation=engine, **rest, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(op, kwargs):
-  return jax.jit(lambda arrays: call_op(op, arrays, dict(kwargs)))
+def _jitted(op, engine, kwargs):
+  return jax.jit(lambda arrays: call_op(op, arrays, dict(kwargs), engine))
 
 
 def run(cfg, arrays, kwargs):
-  """The op on ``arrays`` (a dict of its array arguments), jitted, or traced when inside jit."""
-  return _jitted(cfg.op, tuple(sorted(kwargs.items())))(arrays)
+  """The op on ``arrays`` (a dict of its array arguments) on ``cfg.engine``, jitted, or
+  traced when inside jit."""
+  return _jitted(cfg.op, cfg.engine, tuple(sorted(kwargs.items())))(arrays)
 
 
 def run_oracle(arrays, kwargs):

@@ -250,15 +250,19 @@ class Intra(NamedTuple):
 
 
 @jax.named_scope("kda_intra")  # scopes name the stages in profiles
-def _intra(q, k, v, G, b, dt):
-  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
+def _intra(q, k, v, G, b, dt, kernel=None):
+  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype.
+  ``kernel``: None, or a fused kernel ``(q, k, v, G, b) -> (w, U, P)`` (forward only)."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
-  wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
-  return Intra(w=wU[..., :k.shape[-1]], U=wU[..., k.shape[-1]:],
-               P=_pair(q, k, G, dt, diagonal=True), qg=q * eG,
-               kd=k * jnp.exp(G[..., -1:, :] - G), dec=jnp.exp(G[..., -1, :]))
+  if kernel is None:
+    L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
+    wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
+    w, U, P = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:], _pair(q, k, G, dt, diagonal=True)
+  else:
+    w, U, P = kernel(q, k, v, G, b)
+  return Intra(w=w, U=U, P=P, qg=q * eG, kd=k * jnp.exp(G[..., -1:, :] - G),
+               dec=jnp.exp(G[..., -1, :]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,9 +314,9 @@ def _state_scan(it: Intra, init, seg, dt):
   return states, finals
 
 
-def _chunked_fwd(dt, q, k, v, g, beta, init, seg):
+def _chunked_fwd(dt, intra_kernel, q, k, v, g, beta, init, seg):
   G = _chunk_cumsum(g)
-  it = _intra(q, k, v, G, beta, dt)
+  it = _intra(q, k, v, G, beta, dt, intra_kernel)
   S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
   with jax.named_scope("kda_output"):
     u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
@@ -320,18 +324,20 @@ def _chunked_fwd(dt, q, k, v, g, beta, init, seg):
   return (o, final), (q, k, v, g, beta, init, seg, S)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked(dt, q, k, v, g, beta, init, seg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def chunked(dt, intra_kernel, q, k, v, g, beta, init, seg):
   """``o [NC,B,HV,C,V]`` and final states ``[N,HV,K,V]``, all float32.
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; g [NC,B,HV,C,Kg]; beta [NC,B,HV,C,1];
   init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
-  dt the dtype of the chunk-parallel matmul operands.
+  dt the dtype of the chunk-parallel matmul operands; intra_kernel None or a fused kernel
+  for the forward's intra-chunk stage (``_intra``), the backward recomputes in XLA.
   """
-  return _chunked_fwd(dt, q, k, v, g, beta, init, seg)[0]
+  return _chunked_fwd(dt, intra_kernel, q, k, v, g, beta, init, seg)[0]
 
 
-def _chunked_bwd(dt, res, cts):
+def _chunked_bwd(dt, intra_kernel, res, cts):
+  del intra_kernel  # the backward differentiates the XLA form
   q, k, v, g, beta, init, seg, S = res
   do, dfinal = cts
   prec = matmul_precision(dt)
@@ -437,11 +443,14 @@ def _gather(x, index, valid):
 
 def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
         gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
-        beta_sigmoid=False, allow_neg_eigval=False, cu_seqlens=None, chunk_size=64):
+        beta_sigmoid=False, allow_neg_eigval=False, cu_seqlens=None, chunk_size=64,
+        intra_kernel=None):
   """Returns ``(o [B,T,HV,V] in q's dtype, final_state [N,HV,K,V] float32)``.
 
   Validated inputs: q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] or, for a scalar gate,
   [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; cu_seqlens [N+1] or None.
+  ``intra_kernel``: None, or a fused kernel for the forward's intra-chunk stage (see
+  ``_intra``); the backward recomputes that stage in XLA either way.
   """
   b, t, h, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
@@ -471,7 +480,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
             else jnp.arange(nc * chunk_size) < t).reshape(nc, 1, 1, chunk_size, 1)
     g, beta = jnp.where(slot, g, 0.0), jnp.where(slot, beta, 0.0)
 
-  o, final = chunked(dtype, q, k, v, g, beta, init, seg)
+  o, final = chunked(dtype, intra_kernel, q, k, v, g, beta, init, seg)
   o = _from_chunks(o.astype(dtype), o.shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
   return o, final

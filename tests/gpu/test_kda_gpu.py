@@ -1,5 +1,7 @@
-"""cudnn_jax.kda / cudnn_jax.gdn ("xla" engine) on the GPU at model-like sizes, against the
+"""cudnn_jax.kda / cudnn_jax.gdn (the "xla" engine, and kda's "cute" engine) on the GPU at model-like sizes, against the
 float64 token-by-token recurrence: long sequences, partial chunks, K = V = 128, bf16."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,11 @@ CASES = [
     ("gdn_bf16", Config(op="gdn", b=2, t=900, h=2, hv=4, k=128, v=128, dtype="bfloat16",
                         l2norm=True, gate="softplus", dt_bias=True, initial_state=True)),
 ]
+
+
+# kda's "cute" engine: the same cases (not GDN's scalar gate, which it does not serve).
+CASES += [(f"cute_{name}", dataclasses.replace(cfg, engine="cute"))
+          for name, cfg in list(CASES) if cfg.op == "kda"]
 
 
 @pytest.mark.parametrize("cfg", [c for _, c in CASES], ids=[n for n, _ in CASES])

@@ -1,0 +1,96 @@
+"""The fused intra-chunk kernel of the kda "cute" engine (cudnn_jax/pallas/kda_intra.py),
+run by the Pallas interpreter on any backend: against the xla engine's intra-chunk stage,
+inside the whole op (values and gradients), and lowered to Triton for an sm_90 GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_jax
+from cudnn_jax.pallas import kda_intra
+from cudnn_jax.reference import kda as ref
+
+interpreted = functools.partial(kda_intra.intra, interpret=True)
+
+
+def chunks(seed, n=2, c=64, kd=16, vd=8, decay=(0.01, 0.5)):
+  """Random chunks [n, c, D]: scaled q, unit k, v, cumulative log decay G, beta."""
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = f32(n, c, kd) * kd ** -0.5, ref.l2norm(f32(n, c, kd)), f32(n, c, vd)
+  g = -jnp.asarray(rng.uniform(*decay, (n, c, kd)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0.1, 2.0, (n, c, 1)), jnp.float32)
+  return q, k, v, jnp.cumsum(g, axis=1), beta
+
+
+@pytest.mark.parametrize("c,decay", [(64, (0.01, 0.5)), (32, (0.0, 5.0))])
+def test_intra_kernel_matches_xla_intra(c, decay):
+  """w, U and P against reference.kda._intra; strong decays (exp(G) far below float32's
+  range by the end of the chunk) must neither overflow nor lose the near-diagonal terms."""
+  q, k, v, G, beta = chunks(0, c=c, decay=decay)
+  w, U, P = interpreted(q, k, v, G, beta)
+  want = ref._intra(q, k, v, G, beta, jnp.float32)  # pylint: disable=protected-access
+  for name, got, exp in (("w", w, want.w), ("U", U, want.U), ("P", P, want.P)):
+    assert np.all(np.isfinite(np.asarray(got))), name
+    np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5, err_msg=name)
+  assert np.all(np.triu(np.asarray(P), 1) == 0)
+
+
+def test_engine_with_kernel_matches_xla_engine():
+  """The op with the fused forward (and the XLA backward) against the xla engine: output,
+  final state, and gradients of every differentiable input, with a partial last chunk."""
+  rng = np.random.default_rng(1)
+  b, t, h, kd, vd = 1, 80, 2, 16, 8
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = f32(b, t, h, kd), f32(b, t, h, kd), f32(b, t, h, vd)
+  g, beta = f32(b, t, h, kd), f32(b, t, h)
+  a_log, init = 0.5 * f32(h), f32(b, h, kd, vd)
+  kw = dict(scale=kd ** -0.5, qk_l2norm=True, gate_in_kernel=True, a_log=a_log,
+            beta_sigmoid=True, initial_state=init)
+  w_o, w_f = f32(b, t, h, vd), f32(b, h, kd, vd)
+
+  def loss(intra_kernel, q, k, v, g, beta):
+    o, final = ref.kda(q, k, v, g, beta, intra_kernel=intra_kernel, **kw)
+    return jnp.sum(o * w_o) + jnp.sum(final * w_f)
+
+  args = (q, k, v, g, beta)
+  grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
+  got, want = grad(interpreted, *args), grad(None, *args)
+  for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_engine_declines_off_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU the engine serves")
+  q = jnp.ones((1, 16, 1, 8), jnp.float32)
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cute: default backend"):
+    cudnn_jax.kda(q, q, q, -jnp.ones((1, 16, 1, 8)), jnp.ones((1, 16, 1)),
+                  implementation="cute")
+
+
+def test_kernel_lowers_to_triton_for_sm90():
+  """The Pallas-to-Triton lowering (what XLA compiles on the GPU) succeeds without a GPU,
+  at the benchmark's size: bf16-sized chunks of K = V = 128."""
+  try:
+    from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    pytest.skip("this JAX has no Pallas Triton backend")
+
+  class _Sm90:
+    compute_capability = "9.0"
+
+  original = registration.gpu_info_lib.get_gpu_info
+  registration.gpu_info_lib.get_gpu_info = lambda: _Sm90()
+  try:
+    spec = lambda d: jax.ShapeDtypeStruct((4, 64, d), jnp.float32)
+    exported = jax.export.export(
+        jax.jit(kda_intra.intra), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+            "__gpu$xla.gpu.triton")])(spec(128), spec(128), spec(128), spec(128), spec(1))
+  finally:
+    registration.gpu_info_lib.get_gpu_info = original
+  assert "xla.gpu.triton" in exported.mlir_module()
