@@ -228,6 +228,9 @@ def _supports_fused(call: KdaCall) -> str | None:
     return f"default backend is {backend!r}, not 'gpu'"
   if call.chunk_size % 16:
     return f"chunk_size {call.chunk_size}: a multiple of 16 only"
+  # Triton blocks are powers of two in every dimension.
+  if any(d < 16 or d & (d - 1) for d in (call.k, call.v)):
+    return f"K={call.k}, V={call.v}: powers of two from 16 only"
   return None
 
 
