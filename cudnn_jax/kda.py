@@ -202,14 +202,14 @@ def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   return _apply("gdn", q, k, v, g, beta, kwargs)
 
 
-def _run_xla(call: KdaCall, x: KdaInputs, intra_kernel=None):
+def _run_xla(call: KdaCall, x: KdaInputs, fused=None):
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   return ref.kda(
       x.q, x.k, x.v, x.g, x.beta, scale=call.scale, initial_state=x.initial_state,
       qk_l2norm=call.qk_l2norm, gate_in_kernel=call.gate_in_kernel, a_log=x.a_log,
       dt_bias=x.dt_bias, lower_bound=call.lower_bound, beta_sigmoid=call.beta_sigmoid,
       allow_neg_eigval=call.allow_neg_eigval, cu_seqlens=x.cu_seqlens,
-      chunk_size=call.chunk_size, intra_kernel=intra_kernel)
+      chunk_size=call.chunk_size, fused=fused)
 
 
 for _op in ("kda", "gdn"):
@@ -217,10 +217,12 @@ for _op in ("kda", "gdn"):
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cute", our own GPU kernels: for now the xla engine with the forward's intra-chunk stage
-# (pair sums, the triangular inverse, w and U) fused into one kernel per chunk and head,
-# written in Pallas and compiled by XLA through Triton (cudnn_jax/pallas/kda_intra.py).
-# Opt-in until measured on hardware.
+# "cute", our own GPU kernels: for now the xla engine with two fused forward stages, written
+# in Pallas and compiled by XLA through Triton: the intra-chunk stage (pair sums, the
+# triangular inverse, w and U) as one program per chunk and head (pallas/kda_intra.py), and
+# the state recurrence with the outputs as one program per sequence, head and 64 value
+# columns (pallas/kda_scan.py; packed sequences keep the XLA scan). The backward is the xla
+# engine's. Opt-in until measured on hardware.
 
 
 def _supports_fused(call: KdaCall) -> str | None:
@@ -235,8 +237,9 @@ def _supports_fused(call: KdaCall) -> str | None:
 
 
 def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
-  return _run_xla(call, x, intra_kernel=kda_intra.intra)
+  from cudnn_jax.pallas import kda_intra, kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
+  return _run_xla(call, x, fused=ref.FusedKernels(kda_intra.intra, kda_scan.scan_output))
 
 
 engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused, opt_in=True)

@@ -1,6 +1,6 @@
-"""The fused intra-chunk kernel of the kda "cute" engine (cudnn_jax/pallas/kda_intra.py),
-run by the Pallas interpreter on any backend: against the xla engine's intra-chunk stage,
-inside the whole op (values and gradients), and lowered to Triton for an sm_90 GPU."""
+"""The fused kernels of the kda "cute" engine (cudnn_jax/pallas/), run by the Pallas
+interpreter on any backend: against the xla engine's stages, inside the whole op (values
+and gradients), and lowered to Triton for an sm_90 GPU."""
 
 import functools
 
@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 import cudnn_jax
-from cudnn_jax.pallas import kda_intra
+from cudnn_jax.pallas import kda_intra, kda_scan
 from cudnn_jax.reference import kda as ref
 
 interpreted = functools.partial(kda_intra.intra, interpret=True)
+fused_interpreted = ref.FusedKernels(
+    intra=interpreted, scan_output=functools.partial(kda_scan.scan_output, interpret=True))
 
 
 def chunks(seed, n=2, c=64, kd=16, vd=8, decay=(0.01, 0.5)):
@@ -39,11 +41,12 @@ def test_intra_kernel_matches_xla_intra(c, decay):
   assert np.all(np.triu(np.asarray(P), 1) == 0)
 
 
-def test_engine_with_kernel_matches_xla_engine():
+@pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
+def test_engine_with_kernels_matches_xla_engine(vd):
   """The op with the fused forward (and the XLA backward) against the xla engine: output,
   final state, and gradients of every differentiable input, with a partial last chunk."""
   rng = np.random.default_rng(1)
-  b, t, h, kd, vd = 1, 80, 2, 16, 8
+  b, t, h, kd = 2, 80, 2, 16
   f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   q, k, v = f32(b, t, h, kd), f32(b, t, h, kd), f32(b, t, h, vd)
   g, beta = f32(b, t, h, kd), f32(b, t, h)
@@ -52,13 +55,13 @@ def test_engine_with_kernel_matches_xla_engine():
             beta_sigmoid=True, initial_state=init)
   w_o, w_f = f32(b, t, h, vd), f32(b, h, kd, vd)
 
-  def loss(intra_kernel, q, k, v, g, beta):
-    o, final = ref.kda(q, k, v, g, beta, intra_kernel=intra_kernel, **kw)
+  def loss(fused, q, k, v, g, beta):
+    o, final = ref.kda(q, k, v, g, beta, fused=fused, **kw)
     return jnp.sum(o * w_o) + jnp.sum(final * w_f)
 
   args = (q, k, v, g, beta)
   grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
-  got, want = grad(interpreted, *args), grad(None, *args)
+  got, want = grad(fused_interpreted, *args), grad(None, *args)
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
 
@@ -72,9 +75,9 @@ def test_fused_engine_declines_off_gpu():
                   implementation="cute")
 
 
-def test_kernel_lowers_to_triton_for_sm90():
+def test_kernels_lower_to_triton_for_sm90():
   """The Pallas-to-Triton lowering (what XLA compiles on the GPU) succeeds without a GPU,
-  at the benchmark's size: bf16-sized chunks of K = V = 128."""
+  at K = V = 128 and a chunk count that is not a power of two."""
   try:
     from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -86,11 +89,18 @@ def test_kernel_lowers_to_triton_for_sm90():
   original = registration.gpu_info_lib.get_gpu_info
   registration.gpu_info_lib.get_gpu_info = lambda: _Sm90()
   try:
-    spec = lambda d: jax.ShapeDtypeStruct((4, 64, d), jnp.float32)
-    exported = jax.export.export(
-        jax.jit(kda_intra.intra), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-            "__gpu$xla.gpu.triton")])(spec(128), spec(128), spec(128), spec(128), spec(1))
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    export = functools.partial(
+        jax.export.export, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    chunk = lambda d: s(4, 64, d)
+    intra = export(jax.jit(kda_intra.intra))(chunk(128), chunk(128), chunk(128), chunk(128),
+                                             chunk(1))
+    nc, b, hv, c, d = 13, 2, 3, 64, 128
+    scan = export(jax.jit(kda_scan.scan_output))(
+        s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, d),
+        s(nc, b, hv, c, d), s(nc, b, hv, c, c), s(b, hv, d, d))
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  assert "xla.gpu.triton" in exported.mlir_module()
+  for exported in (intra, scan):
+    assert "xla.gpu.triton" in exported.mlir_module()

@@ -314,30 +314,46 @@ def _state_scan(it: Intra, init, seg, dt):
   return states, finals
 
 
-def _chunked_fwd(dt, intra_kernel, q, k, v, g, beta, init, seg):
+class FusedKernels(NamedTuple):
+  """Kernels that replace stages of the forward pass (None: the stage runs in XLA).
+
+  ``intra(q, k, v, G, beta) -> (w, U, P)``: the pair sums and the inverse of ``_intra``.
+  ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
+  state recurrence and the outputs, one sequence per batch row (not for packed sequences).
+  """
+  intra: object = None
+  scan_output: object = None
+
+
+def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
+  fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  it = _intra(q, k, v, G, beta, dt, intra_kernel)
-  S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
-  with jax.named_scope("kda_output"):
-    u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
-    o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
+  it = _intra(q, k, v, G, beta, dt, fused.intra)
+  if fused.scan_output is not None and seg is None:
+    o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
+                                    precision=matmul_precision(dt))
+  else:
+    S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
+    with jax.named_scope("kda_output"):
+      u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
+      o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
   return (o, final), (q, k, v, g, beta, init, seg, S)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked(dt, intra_kernel, q, k, v, g, beta, init, seg):
+def chunked(dt, fused, q, k, v, g, beta, init, seg):
   """``o [NC,B,HV,C,V]`` and final states ``[N,HV,K,V]``, all float32.
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; g [NC,B,HV,C,Kg]; beta [NC,B,HV,C,1];
   init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
-  dt the dtype of the chunk-parallel matmul operands; intra_kernel None or a fused kernel
-  for the forward's intra-chunk stage (``_intra``), the backward recomputes in XLA.
+  dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels`` for
+  stages of the forward (the backward recomputes in XLA).
   """
-  return _chunked_fwd(dt, intra_kernel, q, k, v, g, beta, init, seg)[0]
+  return _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg)[0]
 
 
-def _chunked_bwd(dt, intra_kernel, res, cts):
-  del intra_kernel  # the backward differentiates the XLA form
+def _chunked_bwd(dt, fused, res, cts):
+  del fused  # the backward differentiates the XLA form
   q, k, v, g, beta, init, seg, S = res
   do, dfinal = cts
   prec = matmul_precision(dt)
@@ -444,13 +460,13 @@ def _gather(x, index, valid):
 def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
         gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
         beta_sigmoid=False, allow_neg_eigval=False, cu_seqlens=None, chunk_size=64,
-        intra_kernel=None):
+        fused=None):
   """Returns ``(o [B,T,HV,V] in q's dtype, final_state [N,HV,K,V] float32)``.
 
   Validated inputs: q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] or, for a scalar gate,
   [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; cu_seqlens [N+1] or None.
-  ``intra_kernel``: None, or a fused kernel for the forward's intra-chunk stage (see
-  ``_intra``); the backward recomputes that stage in XLA either way.
+  ``fused``: None, or ``FusedKernels`` replacing stages of the forward pass; the backward
+  recomputes in XLA either way.
   """
   b, t, h, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
@@ -480,7 +496,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
             else jnp.arange(nc * chunk_size) < t).reshape(nc, 1, 1, chunk_size, 1)
     g, beta = jnp.where(slot, g, 0.0), jnp.where(slot, beta, 0.0)
 
-  o, final = chunked(dtype, intra_kernel, q, k, v, g, beta, init, seg)
+  o, final = chunked(dtype, fused, q, k, v, g, beta, init, seg)
   o = _from_chunks(o.astype(dtype), o.shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
   return o, final

@@ -1,0 +1,62 @@
+"""KDA's state recurrence over chunks and the chunk outputs, as one Pallas (Triton) kernel.
+
+One program per (sequence, value head, block of BV value columns) walks the chunks in
+order with its slice of the state ``S [K, BV]`` (float32) in registers:
+
+    u   = U - w S                      (the chunk's corrected writes)
+    o   = (q e^G) S + P u              (the chunk's outputs)
+    S  <- diag(e^{G_C}) S + (k e^{G_C - G})^T u
+
+the ``_state_scan`` and output stage of ``reference.kda`` (one sequence per batch row; no
+packed sequences), writing the chunk-entry states the backward pass reads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+BV = 64  # value columns per program
+NUM_WARPS = 4
+
+
+def _kernel(w_ref, u_ref, kd_ref, dec_ref, qg_ref, p_ref, init_ref,
+            o_ref, states_ref, final_ref, *, bv, precision):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * bv, bv)
+  dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+
+  def step(i, S):
+    states_ref[i, b, h, :, cols] = S
+    u = u_ref[i, b, h, :, cols] - dot(w_ref[i, b, h], S)
+    o_ref[i, b, h, :, cols] = dot(qg_ref[i, b, h], S) + dot(p_ref[i, b, h], u)
+    return dec_ref[i, b, h][:, None] * S + dot(kd_ref[i, b, h].T, u)
+
+  final = jax.lax.fori_loop(0, w_ref.shape[0], step, init_ref[b, h, :, cols])
+  final_ref[b, h, :, cols] = final
+
+
+@functools.partial(jax.jit, static_argnames=("precision", "interpret"))
+def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, interpret=False):
+  """``(o [NC,B,HV,C,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])`` float32.
+
+  w, kd, qg [NC,B,HV,C,K]; U [NC,B,HV,C,V]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; init
+  [B,HV,K,V]. V must be a multiple of BV, or at most BV (one block). ``precision`` of the
+  products (None: the backend's default, TF32 on NVIDIA GPUs for float32 operands)."""
+  nc, b, hv, c, _ = w.shape
+  v = U.shape[-1]
+  bv = min(BV, v)
+  if v % bv:
+    raise ValueError(f"V={v} is not a multiple of {bv}")
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
+      out_shape=[f32(nc, b, hv, c, v), f32(nc, *init.shape), f32(*init.shape)],
+      in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec] * 3,
+      interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS))(
+          w, U, kd, dec, qg, P, init)
