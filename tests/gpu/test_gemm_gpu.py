@@ -17,6 +17,11 @@ import gemm_oracle as oracle
 pytestmark = pytest.mark.gpu
 
 REL_TOL = 2e-2  # ||a - b|| / ||b||
+# Gradients through a kink (relu and its kin): where two engines' products differ in sign
+# by rounding, the derivative differs by a whole term; those sparse, full-size differences
+# make a norm-wise error of about sqrt(their fraction), a few percent in bf16.
+KINK_GRAD_TOL = 8e-2
+KINKED = ("relu", "srelu", "reglu")
 
 
 def rel_err(actual, expected):
@@ -90,7 +95,9 @@ def test_grouped_gemm_gpu_engine_sweep(engine, capsys):
                 "out vs oracle": rel_err(out, oracle.grouped_gemm(*case[:4], activation, glu))}
       errors.update({f"d{k}": rel_err(g, ref_grads[k]) for k, g in grads.items()})
       tails = [np.asarray(o, np.float32)[int(sizes.sum()):] for o in (out, alone)]
-      problems = [f"{k}: {v:.3g}" for k, v in errors.items() if not v <= REL_TOL]
+      tol = lambda k: (KINK_GRAD_TOL if k.startswith("d") and record["epilogue"] in KINKED
+                       else REL_TOL)
+      problems = [f"{k}: {v:.3g}" for k, v in errors.items() if not v <= tol(k)]
       if any(np.any(tail != 0) for tail in tails):
         problems.append("rows past sum(group_sizes) are not 0")
       record.update(status="failed" if problems else "ok", errors=errors, problems=problems)
