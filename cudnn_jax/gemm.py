@@ -204,10 +204,11 @@ engines.register_engine("grouped_gemm", "xla", supports=lambda call: None,
 # Both are opt-in until measured on hardware.
 
 
-def _grouped_product_on(matmul):
+def _grouped_product_on(matmul, outer=None):
   """``grouped_product``'s contract on a GPU grouped matmul ``matmul(lhs, w, group_sizes)``
   (``w [G, K, N]``; lhs's dtype out, 0 past the last group): the lhs gradient runs on the
-  same matmul against the transposed weights, the rhs gradient on XLA."""
+  same matmul against the transposed weights, the rhs gradient on ``outer(lhs, ct,
+  group_sizes)`` (float32 ``[G, K, N]``), by default XLA's."""
 
   @jax.custom_vjp
   def product(lhs, rhs, group_sizes):
@@ -221,7 +222,8 @@ def _grouped_product_on(matmul):
     lhs, rhs, group_sizes = res
     ct = ct.astype(lhs.dtype)
     d_lhs = matmul(ct, jnp.swapaxes(rhs, 1, 2), group_sizes)
-    return d_lhs, ref.grouped_outer(lhs, ct, group_sizes).astype(rhs.dtype), None
+    d_rhs = (outer or ref.grouped_outer)(lhs, ct, group_sizes)
+    return d_lhs, d_rhs.astype(rhs.dtype), None
 
   product.defvjp(fwd, bwd)
   return product
@@ -295,18 +297,19 @@ _CUTE_TILE_M = 128  # the kernel's row tile
 _GLUS = tuple(epilogue.GLU_ACTIVATION)
 
 
-def _cute_variant(dtype, activation=None, glu=None):
-  return (f"grouped_gemm_{'bf16' if dtype == 'bfloat16' else 'f16'}_"
-          f"{glu or activation or 'none'}")
+def _cute_variants(dtype, activation=None, glu=None):
+  """The kernel variants a call needs: the fused epilogue, the plain product (gradients,
+  and every call under differentiation) and the weight gradient."""
+  name = "bf16" if dtype == "bfloat16" else "f16"
+  return (f"grouped_gemm_{name}_{glu or activation or 'none'}", f"grouped_gemm_{name}_none",
+          f"grouped_wgrad_{name}")
 
 
 def _supports_grouped_cute(call: GroupedGemmCall) -> str | None:
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   if why := _gpu_reason(call):
     return why
-  # The plain variant serves the gradients (and every call under differentiation).
-  for variant in {_cute_variant(call.dtype), _cute_variant(call.dtype, call.activation,
-                                                            call.glu)}:
+  for variant in _cute_variants(call.dtype, call.activation, call.glu):
     if variant not in _extension.aot_kernels():
       return f"the extension was built without the AOT kernel {variant}"
   if call.k % 8 or call.n % 8:
@@ -325,11 +328,16 @@ def _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts, *, epilogue)
                                 epilogue=epilogue)
 
 
+def _row_starts(group_sizes, rows):
+  """[G+1] int32: where each group's rows start (and the last ends), clamped to ``rows``."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+  return jnp.concatenate([jnp.zeros((1,), ends.dtype), ends]).astype(jnp.int32)
+
+
 def _cute_kernel(lhs, rhs, group_sizes, bias=None, activation=None, glu=None):
   """The kernel with its group tables; ``[M, N]`` in lhs's dtype, 0 past the last group."""
   zero = jnp.zeros((1,), jnp.int32)
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), lhs.shape[0])
-  row_starts = jnp.concatenate([zero, ends]).astype(jnp.int32)
+  row_starts = _row_starts(group_sizes, lhs.shape[0])
   tiles = -(-jnp.diff(row_starts) // _CUTE_TILE_M)
   tile_starts = jnp.concatenate([zero, jnp.cumsum(tiles)]).astype(jnp.int32)
   bias = (jnp.zeros(rhs.shape[::2], jnp.float32) if bias is None
@@ -339,7 +347,20 @@ def _cute_kernel(lhs, rhs, group_sizes, bias=None, activation=None, glu=None):
   return _past_groups_zero(out, group_sizes)
 
 
-_cute_grouped_product = _grouped_product_on(_cute_kernel)
+def _cute_grouped_wgrad_ffi(lhs, ct, row_starts):
+  """The FFI handler: ``out[g] = lhs[rows of g]^T ct[rows of g]``, float32 [G, K, N]."""
+  groups = row_starts.shape[0] - 1
+  return jax.ffi.ffi_call(
+      "cudnn_jax_cute_grouped_wgrad",
+      jax.ShapeDtypeStruct((groups, lhs.shape[1], ct.shape[1]), jnp.float32),
+      vmap_method="sequential")(lhs, ct, row_starts)
+
+
+def _cute_wgrad(lhs, ct, group_sizes):
+  return _cute_grouped_wgrad_ffi(lhs, ct, _row_starts(group_sizes, lhs.shape[0]))
+
+
+_cute_grouped_product = _grouped_product_on(_cute_kernel, outer=_cute_wgrad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -7,6 +7,10 @@
 //   sizes, clamped to M)  ->  out [M,N], lhs's dtype; C = N, or 2N for a GLU.
 //   Attribute epilogue: "none", an activation or a GLU (the kernel's EPILOGUES).
 // Rows past row_starts[G] are left unwritten.
+//
+// cudnn_jax_cute_grouped_wgrad: its weight gradient on kernels/grouped_wgrad_sm90.py.
+//   lhs [M,K], ct [M,N] (lhs's dtype), row_starts [G+1] int32  ->  out [G,K,N] float32,
+//   out[g] = lhs[rows of g]^T ct[rows of g] (0 for an empty group).
 
 #include <cuda_runtime_api.h>
 
@@ -141,6 +145,64 @@ ffi::Error cute_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBu
                            persistent_ctas(m, n, groups, is_glu(epilogue))});
 }
 
+// The weight gradient.
+
+template <typename Module, typename Lhs, typename Ct, typename Out, typename Rows>
+ffi::Error launch_wgrad(int32_t (*wrapper)(Module*, Lhs*, Ct*, Out*, Rows*, cudaStream_t),
+                        void (*load)(Module*), cudaStream_t stream, ffi::AnyBuffer& lhs,
+                        ffi::AnyBuffer& ct, ffi::AnyBuffer& row_starts, ffi::AnyBuffer& out,
+                        int32_t m, int32_t k, int32_t n, int32_t groups) {
+  Lhs a{lhs.untyped_data(), {k, m}, {k, int64_t{m} * k}};
+  Ct b{ct.untyped_data(), {n, m}, {n, int64_t{m} * n}};
+  Out c{out.untyped_data(), {k, n, groups}, {n, int64_t{k} * n}};
+  Rows rows{row_starts.untyped_data(), {groups + 1}};
+  int32_t err = wrapper(loaded_module(load), &a, &b, &c, &rows, stream);
+  if (err != 0) {
+    return internal_error(stage_message("cute_grouped_wgrad", "launch",
+                                        cudaGetErrorString(static_cast<cudaError_t>(err))));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error cute_grouped_wgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer ct,
+                              ffi::AnyBuffer row_starts, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kWgrad = "cute_grouped_wgrad";
+  auto ld = lhs.dimensions(), cd = ct.dimensions(), od = out->dimensions();
+  if (ld.size() != 2 || cd.size() != 2 || od.size() != 3) {
+    return invalid_argument(
+        stage_message(kWgrad, "arguments", "lhs [M,K], ct [M,N], out [G,K,N]"));
+  }
+  const int64_t m = ld[0], k = ld[1], n = cd[1], groups = od[0];
+  const ffi::DataType dtype = lhs.element_type();
+  std::string err = expect("ct", ct, dtype, {m, n});
+  if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
+  if (err.empty()) err = expect("out", *out, ffi::DataType::F32, {groups, k, n});
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (err.empty() && (m > kMax || k > kMax || n > kMax || groups >= kMax)) {
+    err = "dimensions past 2^31-1";
+  }
+  if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
+  if (!err.empty()) return invalid_argument(stage_message(kWgrad, "arguments", err));
+  if (groups == 0 || k == 0 || n == 0) return ffi::Error::Success();
+  if (poison_outputs()) {
+    ffi::Error e = fill_bytes(stream, kWgrad, 0xFF, out->untyped_data(), out->size_bytes());
+    if (e.failure()) return e;
+  }
+  const auto run = [&](auto wrapper, auto load) {
+    return launch_wgrad(wrapper, load, stream, lhs, ct, row_starts, *out,
+                        static_cast<int32_t>(m), static_cast<int32_t>(k),
+                        static_cast<int32_t>(n), static_cast<int32_t>(groups));
+  };
+  switch (dtype) {
+    case ffi::DataType::BF16:
+      return run(cute_dsl_grouped_wgrad_bf16_wrapper, grouped_wgrad_bf16_Kernel_Module_Load);
+    case ffi::DataType::F16:
+      return run(cute_dsl_grouped_wgrad_f16_wrapper, grouped_wgrad_f16_Kernel_Module_Load);
+    default:
+      return invalid_argument(stage_message(kWgrad, "arguments", "dtype: bf16 or f16 only"));
+  }
+}
+
 }  // namespace
 }  // namespace cudnn_jax
 
@@ -154,3 +216,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxCuteGroupedGemm, cudnn_jax::cute_grouped_g
                                   .Arg<xla::ffi::AnyBuffer>()   // row_starts
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Attr<std::string_view>("epilogue"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxCuteGroupedWgrad, cudnn_jax::cute_grouped_wgrad,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // lhs
+                                  .Arg<xla::ffi::AnyBuffer>()   // ct
+                                  .Arg<xla::ffi::AnyBuffer>()   // row_starts
+                                  .Ret<xla::ffi::AnyBuffer>());  // out

@@ -34,6 +34,7 @@ nb::dict registrations() {
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
   out["cudnn_jax_aot_axpy"] = handler_capsule(CudnnJaxAotAxpy);
   out["cudnn_jax_cute_grouped_gemm"] = handler_capsule(CudnnJaxCuteGroupedGemm);
+  out["cudnn_jax_cute_grouped_wgrad"] = handler_capsule(CudnnJaxCuteGroupedWgrad);
 #endif
   return out;
 }

@@ -26,7 +26,7 @@ import shutil
 import sys
 
 ARCH = "sm_90a"
-MODULES = ("selftest_sm90", "grouped_gemm_sm90")
+MODULES = ("selftest_sm90", "grouped_gemm_sm90", "grouped_wgrad_sm90")
 NO_DSL = 3
 
 

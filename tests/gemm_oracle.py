@@ -134,7 +134,16 @@ def kernel_emulation(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
   return jnp.where(inside[:, None], out, jnp.nan).astype(lhs.dtype)
 
 
+def wgrad_emulation(lhs, ct, row_starts):
+  """kernels/grouped_wgrad_sm90.py: float32 ``lhs[rows of g]^T ct[rows of g]`` per group."""
+  rows = jnp.arange(lhs.shape[0])
+  member = (rows[None, :] >= row_starts[:-1, None]) & (rows[None, :] < row_starts[1:, None])
+  return jnp.einsum("gm,mk,mn->gkn", member.astype(jnp.float32), lhs.astype(jnp.float32),
+                    ct.astype(jnp.float32))
+
+
 def emulate_gpu_ffi(monkeypatch, gemm_module):
   """Replaces the FFI calls of cudnn_jax.gemm's GPU engines by the emulations above."""
   monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", node_emulation)
   monkeypatch.setattr(gemm_module, "_cute_grouped_gemm_ffi", kernel_emulation)
+  monkeypatch.setattr(gemm_module, "_cute_grouped_wgrad_ffi", wgrad_emulation)

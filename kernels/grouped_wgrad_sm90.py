@@ -1,0 +1,184 @@
+"""Weight gradient of a grouped GEMM for sm_90a: ``out[g] = lhs[rows of g]^T @ ct[rows of
+g]`` (float32), contracting over each group's rows, with the group sizes read on the device.
+Warp-specialized like kernels/grouped_gemm_sm90.py (whose tiles and constants it shares).
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+
+from grouped_gemm_sm90 import (BARRIER_BYTES, LOAD_REGS, MMA_REGS, MMA_WARPS, SMEM_BYTES,
+                               THREADS, TILE_M, TILE_N)
+
+
+class GroupedWgrad:
+  """The weight gradient of a grouped GEMM: ``out[g] = lhs[rows of g]^T @ ct[rows of g]``
+  (float32 ``[G, K, N]``; 0 for an empty group), contracting over each group's rows.
+
+  Layouts: lhs ``(K, M, 1)`` and ct ``(N, M, 1)``, i.e. ``lhs [M, K]`` and ``ct [M, N]`` as
+  stored, read transposed (MN-major operands); out ``(K, N, G)`` N-fastest; ``row_starts
+  [G+1]`` int32. Grid ``(ceil(K / 128), ceil(N / 256), G)``, warp-specialized as
+  ``GroupedGemm``. A group's last block of 64 rows reaches into the next group: before its
+  MMAs the MMA warpgroups zero those rows of the ct tile in shared memory.
+  """
+
+  def __init__(self, dtype):
+    self.dtype = dtype
+    self.acc_dtype = cutlass.Float32
+
+  def __repr__(self):  # part of the exported symbol names: keep them stable
+    return f"GroupedWgrad_{self.dtype.__name__}"
+
+  @cute.jit
+  def __call__(self, lhs: cute.Tensor, ct: cute.Tensor, out: cute.Tensor,
+               row_starts: cute.Tensor, stream: cuda.CUstream):
+    a_major = utils.LayoutEnum.from_tensor(lhs)
+    b_major = utils.LayoutEnum.from_tensor(ct)
+    self.tiled_mma = sm90.make_trivial_tiled_mma(
+        self.dtype, self.dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+        self.acc_dtype, (2, 1, 1), tiler_mn=(64, TILE_N))
+    tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
+    self.tile_mnk = (TILE_M, TILE_N, tile_k)
+    stage_bytes = (TILE_M + TILE_N) * tile_k * self.dtype.width // 8
+    self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
+    self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
+    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype, self.stages)
+    g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    tma_a, tma_lhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
+        g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
+    tma_b, tma_ct = cute.nvgpu.cpasync.make_tiled_tma_atom(
+        g2s, ct, cute.slice_(self.b_smem, (None, None, 0)), (TILE_N, tile_k))
+
+    @cute.struct
+    class Storage:
+      barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+      a: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem)], 1024]
+      b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
+
+    self.storage = Storage
+    grid = [(cute.size(lhs, mode=[0]) + TILE_M - 1) // TILE_M,
+            (cute.size(ct, mode=[0]) + TILE_N - 1) // TILE_N,
+            cute.size(row_starts, mode=[0]) - 1]
+    self.kernel(tma_a, tma_lhs, tma_b, tma_ct, out, row_starts, self.tiled_mma,
+                self.a_smem, self.b_smem).launch(grid=grid, block=[THREADS, 1, 1],
+                                                 stream=stream)
+
+  @cute.kernel
+  def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+             mB: cute.Tensor, mC: cute.Tensor, row_starts: cute.Tensor,
+             tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
+             b_smem: cute.ComposedLayout):
+    tidx, _, _ = cute.arch.thread_idx()
+    tile_i, tile_j, group = cute.arch.block_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp == 0:
+      cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+      cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+    smem = cutlass.utils.SmemAllocator()
+    storage = smem.allocate(self.storage)
+    stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
+                   + cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
+    loads = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        defer_sync=True)
+    pipeline.pipeline_init_arrive()
+    pipeline.pipeline_init_wait()
+
+    sA = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+    sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+    row_start = row_starts[group]
+    rows = row_starts[group + 1] - row_start
+    tile_k = self.tile_mnk[2]
+    k_tiles = (rows + tile_k - 1) // tile_k
+    warpgroup = cute.arch.make_warp_uniform(tidx // 128)
+
+    if warpgroup == 0:
+      cute.arch.setmaxregister_decrease(LOAD_REGS)
+      if warp == 0:
+        gA = cute.local_tile(cute.domain_offset((0, row_start, 0), mA), self.tile_mnk,
+                             (tile_i, tile_j, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(cute.domain_offset((0, row_start, 0), mB), self.tile_mnk,
+                             (tile_i, tile_j, None, 0), proj=(None, 1, 1))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2))
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.stages)
+        for k in cutlass.range(k_tiles, unroll=1):
+          loads.producer_acquire(produce)
+          barrier = loads.producer_get_barrier(produce)
+          cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, produce.index)], tma_bar_ptr=barrier)
+          cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, produce.index)], tma_bar_ptr=barrier)
+          loads.producer_commit(produce)
+          produce.advance()
+        loads.producer_tail(produce)
+    else:
+      cute.arch.setmaxregister_increase(MMA_REGS)
+      mma_tidx = tidx - 128
+      thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup - 1))
+      tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+      tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+      thr_c = tiled_mma.get_slice(mma_tidx)
+      tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+      acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+      acc.fill(0.0)
+      tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+      consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+      release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+      tail = rows - (k_tiles - 1) * tile_k  # rows of the last block that are the group's
+      for k in cutlass.range(k_tiles, unroll=1):
+        loads.consumer_wait(consume)
+        if k == k_tiles - 1 and tail < tile_k:
+          # Zero the ct rows past the group (generic-proxy stores, then made visible to
+          # the MMAs' async proxy, then all 256 MMA threads meet).
+          for e in cutlass.range(mma_tidx, TILE_N * tile_k, 256, unroll=1):
+            r = e // TILE_N
+            if r >= tail:
+              sB[(e - r * TILE_N, r, consume.index)] = self.dtype(0.0)
+          cute.arch.fence_proxy("async.shared", space="cta")
+          cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+          cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, consume.index)],
+                    tCrB[(None, None, kb, consume.index)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(1)
+        if k > 0:
+          loads.consumer_release(release)
+          release.advance()
+        consume.advance()
+      cute.nvgpu.warpgroup.wait_group(0)
+      if k_tiles > 0:
+        loads.consumer_release(release)
+
+      gC = cute.local_tile(mC, (TILE_M, TILE_N), (tile_i, tile_j, group))
+      tCgC = thr_c.partition_C(gC)
+      k_dim, n = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
+      for i in cutlass.range_constexpr(cute.size(tCgC)):
+        coord = tCcC[i]
+        if tile_i * TILE_M + coord[0] < k_dim and tile_j * TILE_N + coord[1] < n:
+          tCgC[i] = acc[i]
+
+
+def variants():
+  """(prefix, jit function, compile arguments): ``grouped_wgrad_<bf16|f16>``."""
+  for name, dtype in (("bf16", cutlass.BFloat16), ("f16", cutlass.Float16)):
+    m, k, n = cute.sym_int32(symbol="m"), cute.sym_int32(8, "k"), cute.sym_int32(8, "n")
+    lhs = cute.runtime.make_fake_tensor(dtype, (k, m, 1), (1, k, cute.sym_int64(8)),
+                                        assumed_align=16)
+    ct = cute.runtime.make_fake_tensor(dtype, (n, m, 1), (1, n, cute.sym_int64(8)),
+                                       assumed_align=16)
+    out = cute.runtime.make_fake_tensor(cutlass.Float32, (k, n, cute.sym_int32()),
+                                        (n, 1, cute.sym_int64(8)), assumed_align=16)
+    starts = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),))
+    yield (f"grouped_wgrad_{name}", GroupedWgrad(dtype),
+           (lhs, ct, out, starts, cuda.CUstream(0)))
