@@ -58,7 +58,74 @@ def _activate(x, name):
   return 0.5 * x * (1.0 + cute.math.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-class GroupedGemm:
+class WarpSpecializedSm90:
+  """What the grouped GEMM kernels share (this one and grouped_wgrad_sm90.py): a 128-row
+  tile split between two MMA warpgroups, a ring of TMA-fed shared-memory stages, and one
+  loader warpgroup. Subclasses set ``dtype``, ``acc_dtype`` and ``halves`` (B blocks per
+  stage). The helpers hold no control flow on device values, so plain Python serves."""
+
+  halves = 1
+
+  def setup(self, lhs: cute.Tensor, rhs: cute.Tensor, tile_n: int):
+    """Host side: the tiled MMA, tile shape, stage count, shared-memory layouts and
+    storage struct (on self); returns the TMA (atom, tensor) pairs of lhs and rhs."""
+    a_major = utils.LayoutEnum.from_tensor(lhs)
+    b_major = utils.LayoutEnum.from_tensor(rhs)
+    self.tiled_mma = sm90.make_trivial_tiled_mma(
+        self.dtype, self.dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+        self.acc_dtype, (2, 1, 1), tiler_mn=(64, tile_n))
+    tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
+    self.tile_mnk = (TILE_M, tile_n, tile_k)
+    stage_bytes = (TILE_M + self.halves * tile_n) * tile_k * self.dtype.width // 8
+    self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
+    self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
+    # B's slots: stage s holds its halves at s * halves + h.
+    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype,
+                                          self.stages * self.halves)
+    g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+        g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
+    tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+        g2s, rhs, cute.slice_(self.b_smem, (None, None, 0)), (tile_n, tile_k))
+
+    @cute.struct
+    class Storage:
+      barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+      a: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem)], 1024]
+      b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
+
+    self.storage = Storage
+    return tma_a, tma_b
+
+  def shared_stages(self, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+    """Kernel side: the initialized TMA pipeline over the stages, and the stage tensors
+    ``(loads, sA, sB)``."""
+    storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+    stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
+                   + self.halves
+                   * cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
+    loads = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        defer_sync=True)
+    pipeline.pipeline_init_arrive()
+    pipeline.pipeline_init_wait()
+    return (loads, storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner),
+            storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner))
+
+  def mma_fragments(self, tiled_mma: cute.TiledMma, sA, sB, tidx, warpgroup):
+    """For an MMA thread: the A and B fragments over all stages (per warpgroup), and the
+    thread's slice for the accumulator (registers are per thread, so C is partitioned by
+    the thread, not the warpgroup)."""
+    thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup - 1))
+    return (tiled_mma.make_fragment_A(thr_mma.partition_A(sA)),
+            tiled_mma.make_fragment_B(thr_mma.partition_B(sB)),
+            tiled_mma.get_slice(tidx - 128))
+
+
+class GroupedGemm(WarpSpecializedSm90):
   """One compiled variant: ``dtype`` of lhs, rhs and out, float32 accumulation, and the
   epilogue: "none", an activation, or a GLU (``EPILOGUES``)."""
 
@@ -78,34 +145,7 @@ class GroupedGemm:
   def __call__(self, lhs: cute.Tensor, rhs: cute.Tensor, bias: cute.Tensor, out: cute.Tensor,
                tile_starts: cute.Tensor, row_starts: cute.Tensor, ctas: cutlass.Int32,
                stream: cuda.CUstream):
-    a_major = utils.LayoutEnum.from_tensor(lhs)
-    b_major = utils.LayoutEnum.from_tensor(rhs)
-    tile_n = TILE_N // self.halves  # output columns per tile
-    self.tiled_mma = sm90.make_trivial_tiled_mma(
-        self.dtype, self.dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-        self.acc_dtype, (2, 1, 1), tiler_mn=(64, tile_n))
-    tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
-    self.tile_mnk = (TILE_M, tile_n, tile_k)
-    stage_bytes = (TILE_M + TILE_N) * tile_k * self.dtype.width // 8
-    self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
-    self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
-    # B's slots: stage s holds its halves at s * halves + h.
-    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype,
-                                          self.stages * self.halves)
-
-    g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-    tma_a, tma_lhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
-    tma_b, tma_rhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, rhs, cute.slice_(self.b_smem, (None, None, 0)), (tile_n, tile_k))
-
-    @cute.struct
-    class Storage:
-      barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-      a: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem)], 1024]
-      b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
-
-    self.storage = Storage
+    (tma_a, tma_lhs), (tma_b, tma_rhs) = self.setup(lhs, rhs, TILE_N // self.halves)
     self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, bias, out, tile_starts, row_starts,
                 self.tiled_mma, self.a_smem, self.b_smem).launch(
                     grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
@@ -138,22 +178,7 @@ class GroupedGemm:
       cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
       cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-    smem = cutlass.utils.SmemAllocator()
-    storage = smem.allocate(self.storage)
-    stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
-                   + self.halves
-                   * cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
-    loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
-        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        defer_sync=True)
-    pipeline.pipeline_init_arrive()
-    pipeline.pipeline_init_wait()
-
-    sA = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-    sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+    loads, sA, sB = self.shared_stages(a_smem, b_smem)
     n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
     tile_n = self.tile_mnk[1]
     col_tiles = (n + tile_n - 1) // tile_n
@@ -198,12 +223,7 @@ class GroupedGemm:
     else:
       # Multiply-accumulate and epilogue: warpgroups 1 and 2, 64 rows of the tile each.
       cute.arch.setmaxregister_increase(MMA_REGS)
-      mma_tidx = tidx - 128
-      thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup - 1))
-      tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-      tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-      # Accumulator registers are per thread: partition C by the thread, not the warpgroup.
-      thr_c = tiled_mma.get_slice(mma_tidx)
+      tCrA, tCrB, thr_c = self.mma_fragments(tiled_mma, sA, sB, tidx, warpgroup)
       tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))
       accs = []
       for h in cutlass.range_constexpr(self.halves):

@@ -7,14 +7,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90
 
-from grouped_gemm_sm90 import (BARRIER_BYTES, LOAD_REGS, MMA_REGS, MMA_WARPS, SMEM_BYTES,
-                               THREADS, TILE_M, TILE_N)
+from grouped_gemm_sm90 import (LOAD_REGS, MMA_REGS, THREADS, TILE_M, TILE_N,
+                               WarpSpecializedSm90)
 
 
-class GroupedWgrad:
+class GroupedWgrad(WarpSpecializedSm90):
   """The weight gradient of a grouped GEMM: ``out[g] = lhs[rows of g]^T @ ct[rows of g]``
   (float32 ``[G, K, N]``; 0 for an empty group), contracting over each group's rows.
 
@@ -35,30 +33,7 @@ class GroupedWgrad:
   @cute.jit
   def __call__(self, lhs: cute.Tensor, ct: cute.Tensor, out: cute.Tensor,
                row_starts: cute.Tensor, stream: cuda.CUstream):
-    a_major = utils.LayoutEnum.from_tensor(lhs)
-    b_major = utils.LayoutEnum.from_tensor(ct)
-    self.tiled_mma = sm90.make_trivial_tiled_mma(
-        self.dtype, self.dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-        self.acc_dtype, (2, 1, 1), tiler_mn=(64, TILE_N))
-    tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
-    self.tile_mnk = (TILE_M, TILE_N, tile_k)
-    stage_bytes = (TILE_M + TILE_N) * tile_k * self.dtype.width // 8
-    self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
-    self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
-    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype, self.stages)
-    g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-    tma_a, tma_lhs = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
-    tma_b, tma_ct = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, ct, cute.slice_(self.b_smem, (None, None, 0)), (TILE_N, tile_k))
-
-    @cute.struct
-    class Storage:
-      barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-      a: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem)], 1024]
-      b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
-
-    self.storage = Storage
+    (tma_a, tma_lhs), (tma_b, tma_ct) = self.setup(lhs, ct, TILE_N)
     grid = [(cute.size(lhs, mode=[0]) + TILE_M - 1) // TILE_M,
             (cute.size(ct, mode=[0]) + TILE_N - 1) // TILE_N,
             cute.size(row_starts, mode=[0]) - 1]
@@ -77,21 +52,7 @@ class GroupedWgrad:
     if warp == 0:
       cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
       cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-    smem = cutlass.utils.SmemAllocator()
-    storage = smem.allocate(self.storage)
-    stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
-                   + cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
-    loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
-        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        defer_sync=True)
-    pipeline.pipeline_init_arrive()
-    pipeline.pipeline_init_wait()
-
-    sA = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-    sB = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+    loads, sA, sB = self.shared_stages(a_smem, b_smem)
     row_start = row_starts[group]
     rows = row_starts[group + 1] - row_start
     tile_k = self.tile_mnk[2]
@@ -124,10 +85,7 @@ class GroupedWgrad:
     else:
       cute.arch.setmaxregister_increase(MMA_REGS)
       mma_tidx = tidx - 128
-      thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warpgroup - 1))
-      tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-      tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-      thr_c = tiled_mma.get_slice(mma_tidx)
+      tCrA, tCrB, thr_c = self.mma_fragments(tiled_mma, sA, sB, tidx, warpgroup)
       tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
       acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
       acc.fill(0.0)
