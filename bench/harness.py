@@ -28,6 +28,35 @@ def time_calls(fn, args, calls=20, warmup=3):
   return statistics.median(times)
 
 
+def load_torch():
+  """``(torch, None)`` when torch imports and sees a CUDA device, else ``(None, reason)``."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"torch not importable ({type(e).__name__}: {e})"
+  if not torch.cuda.is_available():
+    return None, "torch has no CUDA device"
+  return torch, None
+
+
+def torch_time_ms(torch, step, calls=20, warmup=3, chained=1):
+  """Median CUDA-event milliseconds of ``step()`` (``chained`` calls between two events,
+  divided by ``chained``), after ``warmup`` calls."""
+  for _ in range(warmup):
+    step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(chained):
+      step()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / chained)
+  return statistics.median(times)
+
+
 def rel_diff(a, b):
   """||a - b|| / ||b|| in float64."""
   a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))

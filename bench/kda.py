@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -36,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, profile_scopes, rel_diff, time_calls, write_results
+from harness import (error_text, load_torch, profile_scopes, rel_diff, time_calls,
+                     torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 10
@@ -107,19 +107,19 @@ def print_profile(shape):
 
 def load_fla():
   """(torch, chunk_kda), or (None, reason) when either is missing or there is no CUDA."""
+  torch, why = load_torch()
+  if torch is None:
+    return None, why
   try:
-    import torch  # pylint: disable=g-import-not-at-top
     from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
   except Exception as e:  # pylint: disable=broad-except
     return None, f"FLA not importable ({type(e).__name__}: {e})"
-  if not torch.cuda.is_available():
-    return None, "torch has no CUDA device"
   return torch, chunk_kda
 
 
 def fla(torch, chunk_kda, x, backward):
   """(ms, forward output as NumPy) for FLA's chunk_kda on the same inputs."""
-  t = {n: torch.from_numpy(np.asarray(a, np.float32)).cuda() for n, a in x.items()}
+  t = {n: torch.from_numpy(np.array(a, np.float32)).cuda() for n, a in x.items()}
   for n in ("q", "k", "v", "beta", "do"):
     t[n] = t[n].to(torch.bfloat16)
   args = [t[n].requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
@@ -130,19 +130,9 @@ def fla(torch, chunk_kda, x, backward):
       torch.autograd.grad(o, args, t["do"])
     return o
 
-  for _ in range(WARMUP):
-    step()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(CALLS):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    times.append(start.elapsed_time(end))
+  ms = torch_time_ms(torch, step, CALLS, WARMUP)
   out = None if backward else step().detach().float().cpu().numpy()
-  return statistics.median(times), out
+  return ms, out
 
 
 def run(shapes, anchor):

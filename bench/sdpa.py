@@ -8,6 +8,9 @@ and jax.nn.dot_product_attention with implementation "cudnn" and "xla"; plus a d
 row (B=64, 32 query heads, 8 kv heads, kv length 8192, one query token). Two timings per
 case: the median wall time of single jitted calls (block_until_ready around each), and
 the median per-call time of 10 calls chained inside one jitted loop (no dispatch gaps).
+When torch imports and sees the GPU, torch's cuDNN attention runs on the same buffers
+(shared through DLPack; the forward without autograd, as inference), timed by CUDA events:
+one call, and 10 calls between two events.
 FLOPs: 4*B*N*S^2*H forward (half when causal), x3.5 for forward+backward.
 
 With --quick: tiny shapes (on CPU, the xla engines only), for a smoke test.
@@ -27,8 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cudnn_jax
-from harness import error_text, rel_diff, time_calls, write_results
+# torch shares the GPU with JAX in this process when it is there: leave it room.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+import cudnn_jax  # pylint: disable=wrong-import-position
+from harness import (error_text, load_torch, rel_diff, time_calls, torch_time_ms,
+                     write_results)
 
 WARMUP = 3
 CALLS = 20
@@ -109,10 +116,24 @@ def inputs(shape, dtype, seed=0):
   return jax.block_until_ready((q, k, v, dout))
 
 
+def new_row(name, shape, dtype, backward):
+  return dict(engine=name, b=shape.b, t=shape.t, s=shape.s, n=shape.n, k=shape.k, h=shape.h,
+              causal=shape.causal, backward=backward, dtype=jnp.dtype(dtype).name)
+
+
+def add_rates(row, shape, dtype, backward):
+  """TFLOP/s (and GB/s of K+V for decode) beside each time of ``row``."""
+  for key in ("ms", "ms_in_jit"):
+    if row.get(key):
+      row[key.replace("ms", "tflops")] = shape.flops(backward) / (row[key] * 1e-3) / 1e12
+      if shape.t == 1:
+        row[key.replace("ms", "gbps")] = shape.kv_bytes(dtype) / (row[key] * 1e-3) / 1e9
+  return row
+
+
 def measure(name, attn, shape, dtype, backward, use_loop, args):
   """One row: times in ms (None when the engine cannot run it) and the error, if any."""
-  row = dict(engine=name, b=shape.b, t=shape.t, s=shape.s, n=shape.n, k=shape.k, h=shape.h,
-             causal=shape.causal, backward=backward, dtype=jnp.dtype(dtype).name)
+  row = new_row(name, shape, dtype, backward)
   single, looped = make_fns(attn, shape.causal, backward)
   try:
     row["ms"] = 1e3 * time_calls(single, args, CALLS)
@@ -122,12 +143,36 @@ def measure(name, attn, shape, dtype, backward, use_loop, args):
       row["_out"] = single(*args)
   except Exception as e:  # pylint: disable=broad-except
     row["error"] = error_text(e)
-  for key in ("ms", "ms_in_jit"):
-    if row.get(key):
-      row[key.replace("ms", "tflops")] = shape.flops(backward) / (row[key] * 1e-3) / 1e12
-      if shape.t == 1:
-        row[key.replace("ms", "gbps")] = shape.kv_bytes(dtype) / (row[key] * 1e-3) / 1e9
-  return row
+  return add_rates(row, shape, dtype, backward)
+
+
+def measure_torch(torch, shape, dtype, backward, args):
+  """The row of torch's cuDNN attention (BHSD views of the same BSHD buffers)."""
+  from torch.nn import attention as tattn  # pylint: disable=g-import-not-at-top
+  row = new_row("torch cudnn", shape, dtype, backward)
+  q, k, v, dout = (torch.from_dlpack(x).transpose(1, 2) for x in args)
+  gqa = dict(enable_gqa=True) if shape.k != shape.n else {}
+
+  def attend(q, k, v):
+    with tattn.sdpa_kernel(tattn.SDPBackend.CUDNN_ATTENTION):
+      return torch.nn.functional.scaled_dot_product_attention(
+          q, k, v, is_causal=shape.causal, **gqa)
+
+  if backward:
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    step = lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
+  else:
+    def step():
+      with torch.no_grad():
+        return attend(q, k, v)
+  try:
+    row["ms"] = torch_time_ms(torch, step, CALLS, WARMUP)
+    row["ms_in_jit"] = torch_time_ms(torch, step, LOOP_REPEATS, 1, chained=LOOP)
+    if not backward:
+      row["_out"] = step().transpose(1, 2).float().cpu().numpy()
+  except Exception as e:  # pylint: disable=broad-except
+    row["error"] = error_text(e)
+  return add_rates(row, shape, dtype, backward)
 
 
 def run(quick, on_gpu, use_loop, with_xla=True):
@@ -142,6 +187,7 @@ def run(quick, on_gpu, use_loop, with_xla=True):
            for s in seqs for c in (False, True) for bwd in (False, True)]
   cases.append((decode, False))
   table = engines(on_gpu, with_xla)
+  torch = load_torch()[0] if on_gpu else None
   baseline = "jax.nn cudnn" if on_gpu else "jax.nn xla"
   rows = []
   for shape, backward in cases:
@@ -154,6 +200,8 @@ def run(quick, on_gpu, use_loop, with_xla=True):
                           backward=backward, skipped=why))
         continue
       group.append(measure(name, attn, shape, dtype, backward, use_loop, args))
+    if torch is not None:
+      group.append(measure_torch(torch, shape, dtype, backward, args))
     base = next((r for r in group if r["engine"] == baseline and r.get("ms")), None)
     for r in group:
       if base and r.get("ms"):

@@ -224,7 +224,8 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
       context_parallel_strategy=context_parallel_strategy)
   out, lse = engines.dispatch("sdpa", implementation, call, inputs)
   if call.unbatched:
-    out, lse = out[0], lse[0]
+    out = out[0]
+    lse = None if lse is None else lse[0]
   return (out, lse) if call.return_lse else out
 
 
@@ -255,7 +256,7 @@ def _cudnn_config(call: SdpaCall, *, has_bias: bool):
       window_left=-1 if left is None else left, window_right=-1 if right is None else right,
       softcap=call.logits_soft_cap or 0.0, has_bias=has_bias,
       has_padding=call.has_q_lengths or call.has_kv_lengths,
-      has_dbias=call.bias_shape is not None)
+      has_dbias=call.bias_shape is not None, with_lse=call.return_lse)
 
 
 def _cudnn_bias_shape(call: SdpaCall):
@@ -362,7 +363,8 @@ def _run_cudnn(call: SdpaCall, x: SdpaInputs):
   out, lse = _run_cudnn_rows(call, x)
   if skip:
     out = jnp.pad(out, ((0, 0), (skip, 0), (0, 0), (0, 0)))
-    lse = jnp.pad(lse, ((0, 0), (0, 0), (skip, 0)), constant_values=-jnp.inf)
+    if lse is not None:
+      lse = jnp.pad(lse, ((0, 0), (0, 0), (skip, 0)), constant_values=-jnp.inf)
   return out, lse
 
 
@@ -383,12 +385,14 @@ def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):
     k_lens = (x.key_value_seq_lengths if x.key_value_seq_lengths is not None
               else jnp.full((call.b,), call.s, jnp.int32))
   config = _cudnn_config(call, has_bias=bias is not None)
-  out, lse = prim.attention(config, functools.partial(_cudnn_check, call, True),
-                            x.query, x.key, x.value, bias, q_lens, k_lens)
+  out, *lse = prim.attention(config, functools.partial(_cudnn_check, call, True),
+                             x.query, x.key, x.value, bias, q_lens, k_lens)
+  lse = lse[0] if lse else None
   valid = _row_valid(call, x)
   if valid is not None:
     out = jnp.where(jnp.swapaxes(valid, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
-    lse = jnp.where(valid, lse, -jnp.inf)
+    if lse is not None:
+      lse = jnp.where(valid, lse, -jnp.inf)
   return out, lse
 
 

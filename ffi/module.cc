@@ -133,6 +133,7 @@ cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
   c.has_bias = flag("has_bias");
   c.has_padding = flag("has_padding");
   c.has_dbias = flag("has_dbias");
+  c.with_lse = !d.contains("with_lse") || as_bool(d, "with_lse");
   c.bias_b = c.has_bias ? as_int(d, "bias_b") : 0;
   c.bias_n = c.has_bias ? as_int(d, "bias_n") : 0;
   return c;

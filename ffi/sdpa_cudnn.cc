@@ -50,7 +50,7 @@ std::string cache_key(const SdpaConfig& c, int device) {
   }
   key += "|" + float_key(c.scale) + "|" + float_key(c.softcap);
   key += "|" + std::to_string(c.window_left) + "|" + std::to_string(c.window_right);
-  for (bool f : {c.causal, c.bottom_right, c.has_bias, c.has_padding, c.has_dbias}) {
+  for (bool f : {c.causal, c.bottom_right, c.has_bias, c.has_padding, c.has_dbias, c.with_lse}) {
     key += f ? "|1" : "|0";
   }
   return key;
@@ -197,7 +197,7 @@ void add_forward(Graph& graph, const SdpaConfig& c, fe::AttentionImplementation_
 
   fe::graph::SDPA_attributes attrs;
   attrs.set_name("sdpa_fwd")
-      .set_generate_stats(true)
+      .set_generate_stats(c.with_lse)
       .set_attn_scale(c.scale)
       .set_implementation(impl);
   if (c.has_bias) attrs.set_bias(add_bias(graph, c));
@@ -206,6 +206,7 @@ void add_forward(Graph& graph, const SdpaConfig& c, fe::AttentionImplementation_
   auto [o, stats] = graph.sdpa(q, k, v, std::move(attrs));
   o->set_output(true).set_uid(kO).set_dim({c.b, c.n, c.t, c.hv}).set_stride(
       {c.t * c.n * c.hv, c.hv, c.n * c.hv, 1});
+  if (!c.with_lse) return;
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
@@ -355,6 +356,20 @@ std::string shapes_from(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   return "";
 }
 
+// The one optional result `name` after the fixed ones, present exactly when `wanted`.
+std::string trailing_result(ffi::RemainingRets& rets, bool wanted, const char* name,
+                            std::optional<ffi::AnyBuffer>* out) {
+  if (rets.size() != (wanted ? 1u : 0u)) {
+    return "expected " + std::to_string(wanted ? 1 : 0) + " trailing results (" + name +
+           "), got " + std::to_string(rets.size());
+  }
+  if (!wanted) return "";
+  auto ret = rets.get<ffi::AnyBuffer>(0);
+  if (ret.has_error()) return ret.error().message();
+  *out = **ret;
+  return "";
+}
+
 void bind_optionals(const Optionals& opt, std::unordered_map<int64_t, void*>& tensors) {
   if (opt.bias) tensors[kBias] = opt.bias->untyped_data();
   if (opt.q_lens) {
@@ -396,18 +411,21 @@ SdpaConfig from_attributes(bool backward, float scale, bool causal, bool bottom_
 
 ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs rest,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets rest_rets, float scale,
                     bool causal, bool bottom_right, int32_t window_left, int32_t window_right,
-                    float softcap, bool has_bias, bool has_padding) {
+                    float softcap, bool has_bias, bool has_padding, bool with_lse) {
   return guarded("sdpa_fwd", [&]() -> ffi::Error {
     SdpaConfig c = from_attributes(false, scale, causal, bottom_right, window_left,
                                    window_right, softcap, has_bias, has_padding, false);
+    c.with_lse = with_lse;
 
     Optionals opt;
+    std::optional<ffi::AnyBuffer> lse;
     std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
     if (err.empty()) err = shapes_from(q, k, v, opt, &c);
     if (err.empty()) err = expect("out", *out, c.dtype, {c.b, c.t, c.n, c.hv});
-    if (err.empty()) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
+    if (err.empty()) err = trailing_result(rest_rets, with_lse, "lse", &lse);
+    if (err.empty() && lse) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
     if (!err.empty()) return invalid_argument(stage_message("sdpa_fwd", "arguments", err));
 
     std::shared_ptr<CachedPlan> plan;
@@ -415,13 +433,16 @@ ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
 
     std::unordered_map<int64_t, void*> tensors = {
-        {kQ, q.untyped_data()},     {kK, k.untyped_data()},       {kV, v.untyped_data()},
-        {kO, out->untyped_data()},  {kStats, lse->untyped_data()},
+        {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
+        {kO, out->untyped_data()},
     };
+    if (lse) tensors[kStats] = lse->untyped_data();
     bind_optionals(opt, tensors);
     // Rows past the valid lengths are not written by cuDNN.
     if (ffi::Error e = prefill(stream, "sdpa_fwd", has_padding, {&*out}); e.failure()) return e;
-    if (ffi::Error e = prefill(stream, "sdpa_fwd", false, {&*lse}); e.failure()) return e;
+    if (lse) {
+      if (ffi::Error e = prefill(stream, "sdpa_fwd", false, {&*lse}); e.failure()) return e;
+    }
     return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_fwd");
   });
 }
@@ -447,18 +468,9 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     if (err.empty()) err = expect("dq", *dq, c.dtype, {c.b, c.t, c.n, c.h});
     if (err.empty()) err = expect("dk", *dk, c.dtype, {c.b, c.s, c.k, c.h});
     if (err.empty()) err = expect("dv", *dv, c.dtype, {c.b, c.s, c.k, c.hv});
-    if (err.empty() && rest_rets.size() != (has_dbias ? 1u : 0u)) {
-      err = "expected " + std::to_string(has_dbias ? 1 : 0) + " trailing results (dbias), got " +
-            std::to_string(rest_rets.size());
-    }
-    if (err.empty() && has_dbias) {
-      auto ret = rest_rets.get<ffi::AnyBuffer>(0);
-      if (ret.has_error()) {
-        err = ret.error().message();
-      } else {
-        dbias = **ret;
-        err = expect("dbias", *dbias, c.dtype, {c.bias_b, c.bias_n, c.t, c.s});
-      }
+    if (err.empty()) err = trailing_result(rest_rets, has_dbias, "dbias", &dbias);
+    if (err.empty() && dbias) {
+      err = expect("dbias", *dbias, c.dtype, {c.bias_b, c.bias_n, c.t, c.s});
     }
     if (!err.empty()) return invalid_argument(stage_message("sdpa_bwd", "arguments", err));
 
@@ -528,7 +540,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                                   .Arg<ffi::AnyBuffer>()  // v
                                   .RemainingArgs()        // [bias], [q_lens, kv_lens]
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()));  // lse
+                                  .RemainingRets())       // [lse]
+                                  .Attr<bool>("with_lse"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                               with_sdpa_attributes(ffi::Ffi::Bind()

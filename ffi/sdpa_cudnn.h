@@ -23,6 +23,7 @@ struct SdpaConfig {
   bool has_bias = false;
   bool has_padding = false;
   bool has_dbias = false;
+  bool with_lse = true;  // forward: write the stats; without them cuDNN runs inference
 };
 
 // Builds (or finds) the plan for `config` on the current device. Returns "" when cuDNN can

@@ -4,6 +4,8 @@ Off the GPU the primitives lower to plain JAX, so these tests check the rules ar
 FFI call against the xla engine with no GPU present.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,23 @@ def test_forward_and_vjp_match_reference():
     _close(a, b)
 
 
+def test_without_lse_returns_out_alone_and_same_gradients():
+  q, k, v, bias = _inputs(5)
+  config = dataclasses.replace(CONFIG, with_lse=False)
+  no_lse = lambda *a: prim.attention(config, lambda: None, *a, Q_LENS, KV_LENS)
+  got = jax.jit(no_lse)(q, k, v, bias)
+  assert len(got) == 1
+  _close(got[0], _ref(q, k, v, bias)[0])
+  # vmapped: the batching rule keeps the single result
+  got_v = jax.jit(jax.vmap(no_lse, in_axes=(0, None, None, None)))(q[None], k, v, bias)
+  _close(got_v[0][0], got[0])
+  ct = jax.random.normal(jax.random.key(8), (B, T, N, H + 8))
+  got = jax.jit(jax.grad(_loss(no_lse, ct), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  want = jax.grad(_loss(_ref, ct), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  for a, b in zip(got, want):
+    _close(a, b)
+
+
 def test_lse_cotangent_falls_back_to_reference_vjp():
   q, k, v, bias = _inputs(1)
   loss = lambda fn: lambda q: jnp.sum(jnp.where(jnp.isfinite(fn(q, k, v, bias)[1]),
@@ -82,7 +101,8 @@ def test_vmap_folds_into_batch(bias_batched):
     _close(a, b, 1e-4)
 
 
-def test_batch_and_head_sharding_stay_local():
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_batch_and_head_sharding_stay_local(with_lse):
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   q, k, v, bias = _inputs(5)
@@ -90,8 +110,10 @@ def test_batch_and_head_sharding_stay_local():
   bshd = NamedSharding(mesh, P("data", None, "model", None))
   args = [jax.device_put(x, bshd) for x in (q, k, v)]
   args.append(jax.device_put(bias, NamedSharding(mesh, P(None, "model", None, None))))
-  fwd = jax.jit(_prim)
-  out, lse = fwd(*args)
+  config = dataclasses.replace(CONFIG, with_lse=with_lse)
+  fwd = jax.jit(lambda *a: prim.attention(config, lambda: None, *a, Q_LENS, KV_LENS))
+  out, *lse = fwd(*args)
+  assert len(lse) == with_lse
   _close(out, _ref(q, k, v, bias)[0])
   assert tuple(out.sharding.spec)[:3] == ("data", None, "model")
   hlo = fwd.lower(*args).compile().as_text()

@@ -1,7 +1,8 @@
 """cuDNN SDPA as JAX primitives.
 
 ``sdpa_fwd_p``: (q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv], [bias [Bb,Nb,T,S]],
-[q_lens [B], kv_lens [B]]) -> (out [B,T,N,Hv], lse [B,N,T] f32).
+[q_lens [B], kv_lens [B]]) -> (out [B,T,N,Hv], lse [B,N,T] f32), lse only with
+``config.with_lse``.
 ``sdpa_bwd_p``: (q, k, v, out, dout, lse, [bias], [q_lens, kv_lens]) ->
 (dq, dk, dv, [dbias]).
 
@@ -38,6 +39,8 @@ class SdpaConfig:
   has_bias: bool = False
   has_padding: bool = False
   has_dbias: bool = False  # backward: produce the bias gradient
+  # Forward: also produce lse. Without it cuDNN runs its inference graph (no stats).
+  with_lse: bool = True
 
   def ffi_attrs(self, backward: bool) -> dict:
     attrs = dict(scale=np.float32(self.scale), causal=np.bool_(self.causal),
@@ -47,12 +50,15 @@ class SdpaConfig:
                  has_bias=np.bool_(self.has_bias), has_padding=np.bool_(self.has_padding))
     if backward:
       attrs["has_dbias"] = np.bool_(self.has_dbias)
+    else:
+      attrs["with_lse"] = np.bool_(self.with_lse)
     return attrs
 
   def check_config(self, *, backward, dtype, b, t, s, n, k, h, hv, bias_shape) -> dict:
     """The dict ``cudnn_jax._ffi.sdpa_check`` takes (see ffi/README.md)."""
     bias_b, bias_n = (bias_shape[0], bias_shape[1]) if self.has_bias else (0, 0)
-    return dict(self.ffi_attrs(backward=True), backward=backward, dtype=dtype, b=b, t=t,
+    return dict(self.ffi_attrs(backward=True), with_lse=self.with_lse or backward,
+                backward=backward, dtype=dtype, b=b, t=t,
                 s=s, n=n, k=k, h=h, hv=hv, bias_b=bias_b, bias_n=bias_n)
 
 
@@ -61,9 +67,8 @@ class SdpaConfig:
 
 
 def _fwd_ffi(config, q, k, v, *extras):
-  b, t, n, _ = q.shape
-  out_types = (jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
-               jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+  out_types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                    for a in _fwd_abstract(q, k, v, config=config))
   return tuple(jax.ffi.ffi_call("cudnn_jax_sdpa_fwd", out_types)(
       q, k, v, *extras, **config.ffi_attrs(backward=False)))
 
@@ -108,7 +113,7 @@ def _fwd_partition(impl, config, mesh, arg_shapes, result_shape):
   shapes = [a.shape for a in arg_shapes]
   batch, heads, bshd = _operand_specs(config, mesh, arg_shapes[0].sharding, shapes)
   args = [bshd, bshd, bshd] + _extras_shardings(config, mesh, batch, heads, shapes[3:])
-  results = (bshd, _common.named(mesh, batch, heads, ()))
+  results = (bshd, _common.named(mesh, batch, heads, ()))[:1 + config.with_lse]
   return mesh, functools.partial(impl, config), results, tuple(args)
 
 
@@ -136,7 +141,7 @@ def _sharding_rule(backward, config, mesh, arg_types, result_types):
     operands = qkv + ["b t n d", "b t n d", "b n t"] + extras
     results = qkv + (extras[:1] if config.has_dbias else [])
   else:
-    operands, results = qkv + extras, ["b t n d", "b n t"]
+    operands, results = qkv + extras, ["b t n d", "b n t"][:1 + config.with_lse]
   rule = ", ".join(operands) + " -> " + ", ".join(results)
   return rule, dict(need_replication_factors=("t", "s", "h", "d"))
 
@@ -158,7 +163,8 @@ def _split_extras(config, extras):
 
 def _fwd_emulated(config, q, k, v, *extras):
   """The forward in plain JAX: the primitive's lowering on platforms without cuDNN."""
-  return tuple(_reference(config, q, k, v, *_split_extras(config, extras)))
+  out_lse = _reference(config, q, k, v, *_split_extras(config, extras))
+  return tuple(out_lse)[:1 + config.with_lse]
 
 
 def _bwd_emulated(config, q, k, v, out, dout, lse, *extras):
@@ -199,7 +205,7 @@ def _fwd_abstract(q, k, v, *extras, config):
   del extras
   b, t, n, _ = q.shape
   return (jax.core.ShapedArray((b, t, n, v.shape[-1]), q.dtype),
-          jax.core.ShapedArray((b, n, t), jnp.float32))
+          jax.core.ShapedArray((b, n, t), jnp.float32))[:1 + config.with_lse]
 
 
 @sdpa_bwd_p.def_abstract_eval
@@ -244,8 +250,8 @@ def _fwd_batch(args, dims, *, config):
   size = _axis_size(args, dims)
   q, k, v = (_common.fold(x, d, size) for x, d in zip(args[:3], dims[:3]))
   extras = _fold_extras(config, args[3:], dims[3:], size, q.shape[0] // size)
-  out, lse = sdpa_fwd_p.bind(q, k, v, *extras, config=config)
-  return (_common.unfold(out, size), _common.unfold(lse, size)), (0, 0)
+  res = sdpa_fwd_p.bind(q, k, v, *extras, config=config)
+  return tuple(_common.unfold(x, size) for x in res), (0,) * len(res)
 
 
 def _bwd_batch(args, dims, *, config):
@@ -309,7 +315,8 @@ def _reference(config, q, k, v, bias, q_lens, kv_lens):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens):
-  """(out, lse) through cuDNN, differentiable in q, k, v and bias.
+  """(out, lse) through cuDNN, or (out,) when ``config.with_lse`` is False; differentiable
+  in q, k, v and bias.
 
   ``backward_ok``: a static callable returning None when the cuDNN backward serves this
   call, else the reason to fall back to the xla engine's VJP.
@@ -320,13 +327,16 @@ def attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens):
 def _attention_fwd(config, backward_ok, q, k, v, bias, q_lens, kv_lens):
   q, k, v, bias, q_lens, kv_lens = (
       getattr(x, "value", x) for x in (q, k, v, bias, q_lens, kv_lens))
-  out, lse = sdpa_fwd(config, q, k, v, bias, q_lens, kv_lens)
-  return (out, lse), (q, k, v, bias, q_lens, kv_lens, out, lse)
+  # The backward needs lse, so the forward always produces it.
+  out, lse = sdpa_fwd(dataclasses.replace(config, with_lse=True), q, k, v, bias, q_lens,
+                      kv_lens)
+  return (out, lse)[:1 + config.with_lse], (q, k, v, bias, q_lens, kv_lens, out, lse)
 
 
 def _attention_bwd(config, backward_ok, res, cts):
   q, k, v, bias, q_lens, kv_lens, out, lse = res
-  dout, dlse = cts
+  dout, dlse = cts if config.with_lse else (cts[0], jax.custom_derivatives.SymbolicZero(
+      jax.core.ShapedArray(lse.shape, lse.dtype)))
   zero_lens = (None if q_lens is None else
                tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (q_lens, kv_lens)))
   if isinstance(dlse, jax.custom_derivatives.SymbolicZero) and backward_ok() is None:
