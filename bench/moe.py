@@ -1,12 +1,14 @@
 """Benchmark of cudnn_jax.grouped_gemm, gemm (+SwiGLU) and moe_mlp against plain XLA.
 
-    python bench/moe.py [--out DIR] [--quick] [--cases grouped,swiglu,moe]
+    python bench/moe.py [--out DIR] [--quick] [--cases grouped,square,swiglu,moe]
 
 On a GPU, bfloat16:
 - grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
   Dirichlet-random group sizes: cudnn_jax.grouped_gemm (default engine, and the opt-in
   cudnn and cute engines), jax.lax.ragged_dot, and a dense matmul of the same FLOPs
   (2*m*k*n);
+- square (only when asked for): one group of m = k = n = 8192, the grouped GEMM engines
+  beside a dense matmul of the same shape;
 - GEMM + SwiGLU, m16384 n4096 k4096: cudnn_jax.gemm(glu="swiglu") (default and the
   opt-in cute engine) against XLA's two dots and the gating; effective FLOPs 2*m*k*2n;
 - moe_mlp forward+backward, T=16384 D=4096 F=2048 E=64 top-4 (SwiGLU), default and opt-in
@@ -78,13 +80,13 @@ def group_sizes(m, g, split, seed=0):
   return jnp.asarray(sizes, jnp.int32)
 
 
-def grouped_cases(shapes, dtype):
+def grouped_cases(shapes, dtype, splits=("equal", "dirichlet")):
   rows = []
   for m, k, n, g in shapes:
     keys = jax.random.split(jax.random.key(m + g), 3)
     lhs, rhs = normal(keys[0], (m, k), dtype), normal(keys[1], (g, k, n), dtype, k**-0.5)
     dense_rhs = rhs[0]
-    for split in ("equal", "dirichlet"):
+    for split in splits:
       sizes = group_sizes(m, g, split)
       engines = {
           "cudnn_jax.grouped_gemm": lambda l, r, s, d: grouped_gemm(l, r, s),
@@ -162,11 +164,13 @@ CASES = ("grouped", "swiglu", "moe")
 def run(quick, dtype, cases=CASES):
   if quick:
     grouped = [(256, 64, 32, 4), (512, 32, 48, 16)]
-    swiglu, moe = (128, 64, 64), (128, 64, 32, 8, 2)
+    swiglu, moe, square = (128, 64, 64), (128, 64, 32, 8, 2), (256, 256, 256, 1)
   else:
     grouped = [(32768, 4096, 2048, 8), (65536, 2048, 1408, 64)]
-    swiglu, moe = (16384, 4096, 4096), (16384, 4096, 2048, 64, 4)
+    swiglu, moe, square = (16384, 4096, 4096), (16384, 4096, 2048, 64, 4), (8192,) * 3 + (1,)
   rows = grouped_cases(grouped, dtype) if "grouped" in cases else []
+  # One group of a square GEMM: the grouped kernels beside a plain matmul of one shape.
+  rows += grouped_cases([square], dtype, ("equal",)) if "square" in cases else []
   rows += swiglu_case(*swiglu, dtype) if "swiglu" in cases else []
   rows += moe_case(*moe, dtype) if "moe" in cases else []
   return rows
