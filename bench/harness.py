@@ -16,10 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def time_calls(fn, args, calls=20, warmup=3):
-  """Median wall seconds of ``fn(*args)``, each call waited for, after ``warmup`` calls."""
-  for _ in range(warmup):
+def time_calls(fn, args, calls=20, warmup=3, warm_seconds=0.2):
+  """Median wall seconds of ``fn(*args)``, each call waited for, after ``warmup`` calls and
+  at least ``warm_seconds`` of calls (a GPU raises its clocks under load)."""
+  start = time.perf_counter()
+  done = 0
+  while done < warmup or time.perf_counter() - start < warm_seconds:
     jax.block_until_ready(fn(*args))
+    done += 1
   times = []
   for _ in range(calls):
     start = time.perf_counter()

@@ -37,6 +37,11 @@ MMA_WARPS = 8
 LOAD_REGS, MMA_REGS = 40, 232  # registers per thread after the warpgroups' setmaxnreg
 SMEM_BYTES = 227 * 1024
 BARRIER_BYTES = 1024
+# The epilogue writes the tile through shared memory in (TILE_M, EPI_N) pieces, two buffers
+# in turn, so that each row of a piece leaves as whole 16-byte vectors (128 bytes a row).
+EPI_N = 64
+EPI_BUFFERS = 2
+STORE_BITS = 128
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "srelu")  # as cudnn_jax.epilogue
 GLU_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
@@ -65,10 +70,12 @@ class WarpSpecializedSm90:
   stage). The helpers hold no control flow on device values, so plain Python serves."""
 
   halves = 1
+  epi_smem = None  # the output staging buffers' layout, for kernels that stage the output
 
   def setup(self, lhs: cute.Tensor, rhs: cute.Tensor, tile_n: int):
     """Host side: the tiled MMA, tile shape, stage count, shared-memory layouts and
-    storage struct (on self); returns the TMA (atom, tensor) pairs of lhs and rhs."""
+    storage struct (on self); returns the TMA (atom, tensor) pairs of lhs and rhs. The
+    stages share shared memory with ``epi_smem`` when a subclass sets it."""
     a_major = utils.LayoutEnum.from_tensor(lhs)
     b_major = utils.LayoutEnum.from_tensor(rhs)
     self.tiled_mma = sm90.make_trivial_tiled_mma(
@@ -77,7 +84,9 @@ class WarpSpecializedSm90:
     tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
     self.tile_mnk = (TILE_M, tile_n, tile_k)
     stage_bytes = (TILE_M + self.halves * tile_n) * tile_k * self.dtype.width // 8
-    self.stages = (SMEM_BYTES - BARRIER_BYTES) // stage_bytes
+    epi_elems = 64 if self.epi_smem is None else cute.cosize(self.epi_smem)
+    epi_bytes = epi_elems * self.dtype.width // 8
+    self.stages = (SMEM_BYTES - BARRIER_BYTES - epi_bytes) // stage_bytes
     self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
     # B's slots: stage s holds its halves at s * halves + h.
     self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype,
@@ -93,13 +102,14 @@ class WarpSpecializedSm90:
       barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
       a: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem)], 1024]
       b: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem)], 1024]
+      c: cute.struct.Align[cute.struct.MemRange[self.dtype, epi_elems], 1024]
 
     self.storage = Storage
     return tma_a, tma_b
 
   def shared_stages(self, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
-    """Kernel side: the initialized TMA pipeline over the stages, and the stage tensors
-    ``(loads, sA, sB)``."""
+    """Kernel side: the initialized TMA pipeline over the stages, the stage tensors and
+    the storage ``(loads, sA, sB, storage)``."""
     storage = cutlass.utils.SmemAllocator().allocate(self.storage)
     stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
                    + self.halves
@@ -113,7 +123,7 @@ class WarpSpecializedSm90:
     pipeline.pipeline_init_arrive()
     pipeline.pipeline_init_wait()
     return (loads, storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner),
-            storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner))
+            storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner), storage)
 
   def mma_fragments(self, tiled_mma: cute.TiledMma, sA, sB, tidx, warpgroup):
     """For an MMA thread: the A and B fragments over all stages (per warpgroup), and the
@@ -145,9 +155,11 @@ class GroupedGemm(WarpSpecializedSm90):
   def __call__(self, lhs: cute.Tensor, rhs: cute.Tensor, bias: cute.Tensor, out: cute.Tensor,
                tile_starts: cute.Tensor, row_starts: cute.Tensor, ctas: cutlass.Int32,
                stream: cuda.CUstream):
+    self.epi_smem = sm90.make_smem_layout_epi(self.dtype, utils.LayoutEnum.ROW_MAJOR,
+                                              (TILE_M, EPI_N), EPI_BUFFERS)
     (tma_a, tma_lhs), (tma_b, tma_rhs) = self.setup(lhs, rhs, TILE_N // self.halves)
     self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, bias, out, tile_starts, row_starts,
-                self.tiled_mma, self.a_smem, self.b_smem).launch(
+                self.tiled_mma, self.a_smem, self.b_smem, self.epi_smem).launch(
                     grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
   @cute.jit
@@ -169,7 +181,8 @@ class GroupedGemm(WarpSpecializedSm90):
   def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
              mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor, tile_starts: cute.Tensor,
              row_starts: cute.Tensor, tiled_mma: cute.TiledMma,
-             a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+             a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+             epi_smem: cute.ComposedLayout):
     tidx, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
@@ -178,7 +191,7 @@ class GroupedGemm(WarpSpecializedSm90):
       cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
       cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-    loads, sA, sB = self.shared_stages(a_smem, b_smem)
+    loads, sA, sB, storage = self.shared_stages(a_smem, b_smem)
     n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
     tile_n = self.tile_mnk[1]
     col_tiles = (n + tile_n - 1) // tile_n
@@ -230,6 +243,33 @@ class GroupedGemm(WarpSpecializedSm90):
         accs.append(cute.make_rmem_tensor(tCcC.shape, self.acc_dtype))
       tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc += A B throughout
 
+      # The epilogue's two copies: accumulator registers (accs[0], after the epilogue
+      # math) to a shared-memory piece by stmatrix, then the piece to global memory as
+      # 16-byte row vectors, skipping the rows past the group and the columns past N.
+      sC = storage.c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+      r2s = cute.make_tiled_copy_S(
+          sm90.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+          cute.make_tiled_copy_C_atom(
+              cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+              tiled_mma))
+      thr_r2s = r2s.get_slice(tidx - 128)
+      tRS_sC = thr_r2s.partition_D(sC)
+      tRS_acc = r2s.retile(accs[0])
+      piece = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], self.dtype)
+      vector = STORE_BITS // self.dtype.width
+      row_threads = EPI_N // vector
+      s2g = cute.make_tiled_copy_tv(
+          cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                              num_bits_per_copy=STORE_BITS),
+          cute.make_layout((MMA_WARPS * 32 // row_threads, row_threads),
+                           stride=(row_threads, 1)),
+          cute.make_layout((1, vector)))
+      thr_s2g = s2g.get_slice(tidx - 128)
+      tSG_sC = thr_s2g.partition_S(sC)
+      tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor((TILE_M, EPI_N)))
+      pieces = tile_n // EPI_N
+      piece_written = pipeline.NamedBarrier(barrier_id=1, num_threads=MMA_WARPS * 32)
+
       consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       for tile in cutlass.range(cta, tiles, ctas, unroll=1):
@@ -258,19 +298,32 @@ class GroupedGemm(WarpSpecializedSm90):
         loads.consumer_release(release)
         release.advance()
 
-        # Epilogue, in float32: bias, activation or GLU; then store only this group's rows
-        # (and columns inside N).
-        gC = cute.local_tile(cute.domain_offset((row_start, 0, 0), mC), self.tile_mnk,
-                             (0, col_tile, None, 0), proj=(1, 1, None))
-        tCgC = thr_c.partition_C(gC)
-        for i in cutlass.range_constexpr(cute.size(tCgC)):
-          coord = tCcC[i]
-          col = col_tile * tile_n + coord[1]
-          if row_start + coord[0] < row_end and col < n:
+        # Epilogue, in float32 in place: bias, activation or GLU.
+        for i in cutlass.range_constexpr(cute.size(accs[0])):
+          col = col_tile * tile_n + tCcC[i][1]
+          if col < n:
             y = _activate(accs[0][i] + mBias[col, group], self.activation)
             if cutlass.const_expr(self.glu):
               y = y * (accs[1][i] + mBias[n + col, group])
-            tCgC[i] = y.to(self.dtype)
+            accs[0][i] = y
+        # Then out, piece by piece, through the two shared-memory buffers in turn: the
+        # barrier after a piece's stmatrix also tells that every thread has finished
+        # storing the piece before (the other buffer), so one barrier a piece suffices.
+        out_rows = cute.domain_offset((row_start, 0, 0), mC)
+        for e in cutlass.range_constexpr(pieces):
+          buffer = e % EPI_BUFFERS
+          for v in cutlass.range_constexpr(cute.size(piece)):
+            piece[v] = tRS_acc[e * cute.size(piece) + v].to(self.dtype)
+          cute.copy(r2s, piece, tRS_sC[(None, None, None, buffer)])
+          piece_written.arrive_and_wait()
+          tSG_gC = thr_s2g.partition_D(
+              cute.local_tile(out_rows, (TILE_M, EPI_N), (0, col_tile * pieces + e, 0)))
+          col_start = col_tile * tile_n + e * EPI_N
+          for i in cutlass.range(cute.size(tSG_gC, mode=[1]), unroll=1):
+            for j in cutlass.range_constexpr(cute.size(tSG_gC, mode=[2])):
+              coord = tSG_cC[(0, i, j)]
+              if row_start + coord[0] < row_end and col_start + coord[1] < n:
+                cute.copy(s2g, tSG_sC[(None, i, j, buffer)], tSG_gC[(None, i, j)])
 
 
 def variants():

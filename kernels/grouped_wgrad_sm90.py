@@ -52,7 +52,7 @@ class GroupedWgrad(WarpSpecializedSm90):
     if warp == 0:
       cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
       cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-    loads, sA, sB = self.shared_stages(a_smem, b_smem)
+    loads, sA, sB, _ = self.shared_stages(a_smem, b_smem)
     row_start = row_starts[group]
     rows = row_starts[group + 1] - row_start
     tile_k = self.tile_mnk[2]
