@@ -142,7 +142,8 @@ def _projections(call: MoeCall):
 
 
 def _register_gpu_engine(name):
-  from cudnn_jax import gemm  # pylint: disable=g-import-not-at-top
+  # The module, not the function of the same name that cudnn_jax exports.
+  from cudnn_jax.gemm import grouped_gemms  # pylint: disable=g-import-not-at-top
   grouped = engines.engine("grouped_gemm", name)
 
   def supports(call: MoeCall):
@@ -152,7 +153,7 @@ def _register_gpu_engine(name):
   def run(call: MoeCall, x: MoeInputs):
     from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
     return ref.moe_mlp(*x, glu=call.glu, activation=call.activation,
-                       grouped_gemm=gemm.grouped_gemms[name])
+                       grouped_gemm=grouped_gemms[name])
 
   engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=True)
 

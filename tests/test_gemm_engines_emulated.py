@@ -1,0 +1,125 @@
+"""The GPU engines of grouped_gemm, gemm and moe_mlp with their kernels emulated in JAX.
+
+Everything those engines do in JAX around their FFI calls (group tables, the custom VJPs,
+the fused/unfused split, routing) runs here on the CPU, against the xla engine. The
+emulated kernels follow the handlers' contracts, including leaving the rows past the last
+group unwritten (NaN here), so a caller that forgets to zero them fails.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cudnn_jax import engines
+from cudnn_jax import epilogue as epilogue_module
+
+gemm_module = importlib.import_module("cudnn_jax.gemm")
+moe_module = importlib.import_module("cudnn_jax.moe")
+
+
+def _group_of_rows(row_starts, rows):
+  """Group index of each row; G past the last group."""
+  return jnp.searchsorted(row_starts[1:], jnp.arange(rows), side="right")
+
+
+def _fake_cute_kernel(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
+  del tile_starts
+  groups = rhs.shape[0]
+  g = _group_of_rows(row_starts, lhs.shape[0])
+  w = jnp.minimum(g, groups - 1)
+  h = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[w].astype(jnp.float32),
+                 precision="highest") + bias[w]
+  name = None if epilogue == "none" else epilogue
+  glu = name if name in epilogue_module.GLU_ACTIVATION else None
+  y = epilogue_module.apply(h, None, activation=None if glu else name, glu=glu)
+  return jnp.where((g < groups)[:, None], y, jnp.nan).astype(lhs.dtype)
+
+
+def _fake_wgrad(lhs, ct, row_starts):
+  groups = row_starts.shape[0] - 1
+  one_hot = _group_of_rows(row_starts, lhs.shape[0])[:, None] == jnp.arange(groups)
+  return jnp.einsum("mg,mk,mn->gkn", one_hot.astype(jnp.float32), lhs.astype(jnp.float32),
+                    ct.astype(jnp.float32), precision="highest")
+
+
+def _fake_grouped_matmul(lhs, rhs_nk, offsets):
+  g = jnp.searchsorted(offsets, jnp.arange(lhs.shape[0]), side="right") - 1
+  y = jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32), rhs_nk[g].astype(jnp.float32),
+                 precision="highest")
+  return y.astype(lhs.dtype)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+  """The kernels emulated, and ``force(op, name)``: engine ``name`` serves ``op`` from then
+  on, its support check (which declines without a GPU) skipped."""
+  monkeypatch.setattr(gemm_module, "_cute_grouped_gemm_ffi", _fake_cute_kernel)
+  monkeypatch.setattr(gemm_module, "_cute_grouped_wgrad_ffi", _fake_wgrad)
+  monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", _fake_grouped_matmul)
+  original = engines.choose
+
+  def force(op, name):
+    forced = engines.engine(op, name)
+    monkeypatch.setattr(engines, "choose", lambda op_, call, implementation: (
+        forced if op_ == op else original(op_, call, implementation)))
+  return force
+
+
+def _rel(a, b):
+  a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+  assert np.all(np.isfinite(a)), "non-finite values"
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("engine", ["cute", "cudnn"])
+@pytest.mark.parametrize("glu,activation", [("swiglu", None), (None, "gelu"), (None, None)])
+def test_grouped_gemm_engine_matches_xla(emulated, engine, glu, activation):
+  rng = np.random.default_rng(0)
+  m, k, n, g = 40, 16, 24, 3
+  cols = 2 * n if glu else n
+  lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((g, k, cols)) / 4, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal((g, cols)), jnp.bfloat16)
+  sizes = jnp.asarray([9, 0, 23], jnp.int32)  # an empty group; 8 rows past the last
+  ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def value_and_grads(lhs, rhs, bias):
+    f = lambda *a: gemm_module.grouped_gemm(*a[:2], sizes, bias=a[2], glu=glu,
+                                             activation=activation)
+    y, pull = jax.vjp(f, lhs, rhs, bias)
+    return (f(lhs, rhs, bias), y) + pull(ct.astype(y.dtype))
+
+  want = jax.jit(value_and_grads)(lhs, rhs, bias)
+  emulated("grouped_gemm", engine)
+  got = jax.jit(lambda *a: value_and_grads(*a))(lhs, rhs, bias)  # a new trace
+  for name, a, b in zip(["out", "out (differentiated)", "dlhs", "drhs", "dbias"], got, want):
+    assert _rel(a, b) < 2e-2, name
+  np.testing.assert_array_equal(np.asarray(got[0][32:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("engine", ["cute", "cudnn"])
+def test_moe_mlp_engine_matches_xla(emulated, engine):
+  rng = np.random.default_rng(1)
+  t, d, f, e, k = 50, 16, 8, 4, 2
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  w_up = jnp.asarray(rng.standard_normal((e, d, 2 * f)) / 4, jnp.bfloat16)
+  w_down = jnp.asarray(rng.standard_normal((e, f, d)) / 3, jnp.bfloat16)
+  idx = rng.integers(0, e, (t, k))
+  idx[:3, 0] = e  # out of range: contributes 0
+  idx = jnp.asarray(idx, jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+
+  def value_and_grads(x, weights, w_up, w_down):
+    f = lambda *a: moe_module.moe_mlp(a[0], idx, *a[1:])
+    y, pull = jax.vjp(f, x, weights, w_up, w_down)
+    return (y,) + pull(dy.astype(y.dtype))
+
+  want = jax.jit(value_and_grads)(x, weights, w_up, w_down)
+  emulated("moe_mlp", engine)
+  got = jax.jit(lambda *a: value_and_grads(*a))(x, weights, w_up, w_down)  # a new trace
+  for name, a, b in zip(["y", "dx", "dweights", "dw_up", "dw_down"], got, want):
+    assert _rel(a, b) < 2e-2, name
