@@ -200,8 +200,10 @@ engines.register_engine("grouped_gemm", "xla", supports=lambda call: None,
                         run=_run_grouped_xla)
 
 
-# GPU engines: a grouped matmul on the device for the products, the epilogue in XLA.
-# Both are opt-in until measured on hardware.
+# GPU engines. "cute" (our kernel) serves grouped_gemm by default on sm_90: 460-490
+# TFLOP/s at m32768 k4096 n2048 g8 on an H200 where lax.ragged_dot runs at 90. "cudnn"
+# (cuDNN's grouped matmul node, about 200) and gemm's "cute" (slower than XLA's dense
+# matmul) are opt-in.
 
 
 def _grouped_product_on(matmul, outer=None):
@@ -408,7 +410,7 @@ def _run_grouped_cute(call: GroupedGemmCall, x: GroupedGemmInputs):
 
 
 engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
-                        run=_run_grouped_cute, opt_in=True)
+                        run=_run_grouped_cute)
 
 
 def _as_one_group(call: GemmCall) -> GroupedGemmCall:

@@ -329,6 +329,7 @@ def test_grouped_gemm_cudnn_engine_is_opt_in():
   args = [s(x.astype(jnp.bfloat16)) for x in (_L, _R)] + [s(_G)]
   text = cudnn_jax.explain("grouped_gemm", *args)
   assert "'xla' serves" in text and "cudnn: declines: opt-in engine" in text
+  assert "cute: declines: default backend is 'cpu'" in text  # not opt-in: a CPU decline
   text = cudnn_jax.explain("grouped_gemm", *args, implementation="cudnn")
   assert "opt-in" not in text  # named explicitly: its own check decides
 

@@ -1,4 +1,4 @@
-"""The opt-in GPU engines of cudnn_jax.grouped_gemm ("cudnn": cuDNN's MoE grouped matmul
+"""The GPU engines of cudnn_jax.grouped_gemm ("cudnn": cuDNN's MoE grouped matmul
 node; "cute": kernels/grouped_gemm_sm90.py) against the xla engine and the float64 oracle,
 over random group splits: empty groups, rows past sum(group_sizes), every epilogue, bf16
 and f16, gradients. Outputs are poisoned (CUDNN_JAX_POISON_OUTPUTS, set by conftest.py)."""
