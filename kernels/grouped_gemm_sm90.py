@@ -67,7 +67,7 @@ class WarpSpecializedSm90:
   """What the grouped GEMM kernels share (this one and grouped_wgrad_sm90.py): a 128-row
   tile split between two MMA warpgroups, a ring of TMA-fed shared-memory stages, and one
   loader warpgroup. Subclasses set ``dtype``, ``acc_dtype`` and ``halves`` (B blocks per
-  stage). The helpers hold no control flow on device values, so plain Python serves."""
+  stage). Helpers without control flow on device values are plain Python."""
 
   halves = 1
   epi_smem = None  # the output staging buffers' layout, for kernels that stage the output
@@ -107,9 +107,17 @@ class WarpSpecializedSm90:
     self.storage = Storage
     return tma_a, tma_b
 
-  def shared_stages(self, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
-    """Kernel side: the initialized TMA pipeline over the stages, the stage tensors and
-    the storage ``(loads, sA, sB, storage)``."""
+  @cute.jit
+  def prefetch_descriptors(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom):
+    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+      cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+      cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+  def shared_stages(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom,
+                    a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+    """Kernel side: the TMA descriptors prefetched, the initialized TMA pipeline over the
+    stages, the stage tensors and the storage ``(loads, sA, sB, storage)``."""
+    self.prefetch_descriptors(tma_a, tma_b)
     storage = cutlass.utils.SmemAllocator().allocate(self.storage)
     stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
                    + self.halves
@@ -187,11 +195,7 @@ class GroupedGemm(WarpSpecializedSm90):
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp == 0:
-      cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-      cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-
-    loads, sA, sB, storage = self.shared_stages(a_smem, b_smem)
+    loads, sA, sB, storage = self.shared_stages(tma_a, tma_b, a_smem, b_smem)
     n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
     tile_n = self.tile_mnk[1]
     col_tiles = (n + tile_n - 1) // tile_n

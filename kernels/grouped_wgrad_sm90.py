@@ -49,10 +49,7 @@ class GroupedWgrad(WarpSpecializedSm90):
     tidx, _, _ = cute.arch.thread_idx()
     tile_i, tile_j, group = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp == 0:
-      cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-      cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-    loads, sA, sB, _ = self.shared_stages(a_smem, b_smem)
+    loads, sA, sB, _ = self.shared_stages(tma_a, tma_b, a_smem, b_smem)
     row_start = row_starts[group]
     rows = row_starts[group + 1] - row_start
     tile_k = self.tile_mnk[2]

@@ -51,15 +51,20 @@ def _loss(fn, ct):
   return lambda *a: jnp.sum(fn(*a)[0] * ct)
 
 
+def _check_gradients(fn, seed, q, k, v, bias):
+  """Gradients of every input of ``fn`` against the reference's, under jit."""
+  ct = jax.random.normal(jax.random.key(seed), (B, T, N, H + 8))
+  got = jax.jit(jax.grad(_loss(fn, ct), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  want = jax.grad(_loss(_ref, ct), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  for a, b in zip(got, want):
+    _close(a, b)
+
+
 def test_forward_and_vjp_match_reference():
   q, k, v, bias = _inputs()
   for a, b in zip(jax.jit(_prim)(q, k, v, bias), _ref(q, k, v, bias)):
     _close(a, b)
-  ct = jax.random.normal(jax.random.key(9), (B, T, N, H + 8))
-  got = jax.jit(jax.grad(_loss(_prim, ct), argnums=(0, 1, 2, 3)))(q, k, v, bias)
-  want = jax.grad(_loss(_ref, ct), argnums=(0, 1, 2, 3))(q, k, v, bias)
-  for a, b in zip(got, want):
-    _close(a, b)
+  _check_gradients(_prim, 9, q, k, v, bias)
 
 
 def test_without_lse_returns_out_alone_and_same_gradients():
@@ -72,11 +77,7 @@ def test_without_lse_returns_out_alone_and_same_gradients():
   # vmapped: the batching rule keeps the single result
   got_v = jax.jit(jax.vmap(no_lse, in_axes=(0, None, None, None)))(q[None], k, v, bias)
   _close(got_v[0][0], got[0])
-  ct = jax.random.normal(jax.random.key(8), (B, T, N, H + 8))
-  got = jax.jit(jax.grad(_loss(no_lse, ct), argnums=(0, 1, 2, 3)))(q, k, v, bias)
-  want = jax.grad(_loss(_ref, ct), argnums=(0, 1, 2, 3))(q, k, v, bias)
-  for a, b in zip(got, want):
-    _close(a, b)
+  _check_gradients(no_lse, 8, q, k, v, bias)
 
 
 def test_lse_cotangent_falls_back_to_reference_vjp():
