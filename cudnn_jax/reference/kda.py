@@ -250,17 +250,13 @@ class Intra(NamedTuple):
 
 
 @jax.named_scope("kda_intra")  # scopes name the stages in profiles
-def _intra(q, k, v, G, b, dt, kernel=None):
-  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype.
-  ``kernel``: None, or a fused kernel ``(q, k, v, G, b) -> (w, U, P)`` (forward only)."""
+def _intra(q, k, v, G, b, dt):
+  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  if kernel is None:
-    L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
-    wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
-    w, U, P = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:], _pair(q, k, G, dt, diagonal=True)
-  else:
-    w, U, P = kernel(q, k, v, G, b)
+  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
+  wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
+  w, U, P = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:], _pair(q, k, G, dt, diagonal=True)
   return Intra(w=w, U=U, P=P, qg=q * eG, kd=k * jnp.exp(G[..., -1:, :] - G),
                dec=jnp.exp(G[..., -1, :]))
 
@@ -317,18 +313,16 @@ def _state_scan(it: Intra, init, seg, dt):
 class FusedKernels(NamedTuple):
   """Kernels that replace stages of the forward pass (None: the stage runs in XLA).
 
-  ``intra(q, k, v, G, beta) -> (w, U, P)``: the pair sums and the inverse of ``_intra``.
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs, one sequence per batch row (not for packed sequences).
   """
-  intra: object = None
   scan_output: object = None
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
   fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  it = _intra(q, k, v, G, beta, dt, fused.intra)
+  it = _intra(q, k, v, G, beta, dt)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
                                     precision=matmul_precision(dt))
