@@ -34,8 +34,8 @@ import numpy as np
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import cudnn_jax  # pylint: disable=wrong-import-position
-from harness import (error_text, load_torch, rel_diff, time_calls, torch_time_ms,
-                     write_results)
+from harness import (device_ms, error_text, load_torch, rel_diff, time_calls,
+                     torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 20
@@ -123,7 +123,7 @@ def new_row(name, shape, dtype, backward):
 
 def add_rates(row, shape, dtype, backward):
   """TFLOP/s (and GB/s of K+V for decode) beside each time of ``row``."""
-  for key in ("ms", "ms_in_jit"):
+  for key in ("ms", "ms_in_jit", "ms_device"):
     if row.get(key):
       row[key.replace("ms", "tflops")] = shape.flops(backward) / (row[key] * 1e-3) / 1e12
       if shape.t == 1:
@@ -131,12 +131,14 @@ def add_rates(row, shape, dtype, backward):
   return row
 
 
-def measure(name, attn, shape, dtype, backward, use_loop, args):
+def measure(name, attn, shape, dtype, backward, use_loop, args, device_time=False):
   """One row: times in ms (None when the engine cannot run it) and the error, if any."""
   row = new_row(name, shape, dtype, backward)
   single, looped = make_fns(attn, shape.causal, backward)
   try:
     row["ms"] = 1e3 * time_calls(single, args, CALLS)
+    if device_time:
+      row["ms_device"] = device_ms(single, args)
     if use_loop:
       row["ms_in_jit"] = 1e3 * time_calls(looped, args, LOOP_REPEATS, warmup=1) / LOOP
     if not backward:
@@ -175,7 +177,7 @@ def measure_torch(torch, shape, dtype, backward, args):
   return add_rates(row, shape, dtype, backward)
 
 
-def run(quick, on_gpu, use_loop, with_xla=True):
+def run(quick, on_gpu, use_loop, with_xla=True, device_time=False):
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   if quick:
     tokens, n, h, seqs = 512, 2, 32, (64, 256)
@@ -199,7 +201,7 @@ def run(quick, on_gpu, use_loop, with_xla=True):
         group.append(dict(engine=name, s=shape.s, t=shape.t, causal=shape.causal,
                           backward=backward, skipped=why))
         continue
-      group.append(measure(name, attn, shape, dtype, backward, use_loop, args))
+      group.append(measure(name, attn, shape, dtype, backward, use_loop, args, device_time))
     if torch is not None:
       group.append(measure_torch(torch, shape, dtype, backward, args))
     base = next((r for r in group if r["engine"] == baseline and r.get("ms")), None)
@@ -217,7 +219,8 @@ def run(quick, on_gpu, use_loop, with_xla=True):
 
 
 HEADER = (f"{'S':>6} {'T':>5} {'causal':>6} {'pass':>8} {'engine':<16} {'ms':>9} "
-          f"{'TFLOP/s':>8} {'ms(jit10)':>10} {'TFLOP/s':>8} {'GB/s':>7} {'ratio':>6}")
+          f"{'TFLOP/s':>8} {'ms(jit10)':>10} {'TFLOP/s':>8} {'ms(dev)':>8} {'TFLOP/s':>8} "
+          f"{'GB/s':>7} {'ratio':>6}")
 
 
 def print_row(r):
@@ -226,7 +229,8 @@ def print_row(r):
   pass_ = "fwd+bwd" if r["backward"] else "fwd"
   line = (f"{r['s']:>6} {r['t']:>5} {str(r['causal']):>6} {pass_:>8} {r['engine']:<16} "
           f"{f('ms', '.3f'):>9} {f('tflops', '.1f'):>8} {f('ms_in_jit', '.3f'):>10} "
-          f"{f('tflops_in_jit', '.1f'):>8} {f('gbps', '.0f'):>7} {f('ratio', '.2f'):>6}")
+          f"{f('tflops_in_jit', '.1f'):>8} {f('ms_device', '.3f'):>8} "
+          f"{f('tflops_device', '.1f'):>8} {f('gbps', '.0f'):>7} {f('ratio', '.2f'):>6}")
   note = r.get("skipped") or r.get("error")
   print(line + (f"  ({note})" if note else ""), flush=True)
 
@@ -273,6 +277,8 @@ def main():
   parser.add_argument("--no-xla", action="store_true", help="leave out jax.nn's xla engine")
   parser.add_argument("--no-loop", action="store_true",
                       help="skip the 10-calls-in-one-jit timing")
+  parser.add_argument("--device-time", action="store_true",
+                      help="also the profiler's device time of a single call (JAX rows)")
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.quick:
@@ -283,7 +289,8 @@ def main():
     print(cudnn_jax.explain("sdpa", probe, probe, probe, implementation="cudnn"))
   print(HEADER)
   start = time.perf_counter()
-  rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla)
+  rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla,
+                       args.device_time)
   elapsed = time.perf_counter() - start
   json_path = write_results(args.out, "sdpa", rows, quick=args.quick, baseline=baseline,
                             seconds=elapsed, cache_info=cudnn_jax.cache_info(),
