@@ -164,6 +164,9 @@ nb::dict cache_info() {
   out["hits"] = info.hits;
   out["misses"] = info.misses;
   out["evictions"] = info.evictions;
+  nb::dict plans;
+  for (const auto& [key, name] : info.plans) plans[key.c_str()] = name;
+  out["plans"] = plans;
   return out;
 }
 
@@ -181,7 +184,8 @@ NB_MODULE(_ffi, m) {
         "device, else why not. Builds and caches the plan.");
   m.def("aot_kernels", &aot_kernels,
         "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
-  m.def("cache_info", &cache_info, "Counters of the process-wide cuDNN plan cache.");
+  m.def("cache_info", &cache_info,
+        "Counters of the process-wide cuDNN plan cache, and each entry's chosen plan.");
   m.def("cudnn_version", [] { return cudnn_jax::cudnn_runtime_version(); },
         "Version of the libcudnn loaded at run time (e.g. 91900); 0 when none loads.");
 }

@@ -487,3 +487,9 @@ def test_cudnn_engine_python_side_matches_xla(monkeypatch, t, s):
   for g, r in zip(got, ref):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_cache_info_reports_counters_and_plans():
+  info = cudnn_jax.cache_info()
+  assert {"size", "capacity", "hits", "misses", "evictions", "plans"} <= set(info)
+  assert isinstance(info["plans"], dict) and len(info["plans"]) == info["size"]

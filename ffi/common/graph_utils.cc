@@ -105,6 +105,9 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
     plan.alternatives.clear();  // the losers' plans are not needed any more
     plan.plan_index = best.index;
     plan.workspace_size = plan_workspace(*best.graph, best.index);
+    if (best.graph->get_plan_name_at_index(best.index, plan.plan_name).is_bad()) {
+      plan.plan_name = "plan #" + std::to_string(best.index);
+    }
   };
   if (candidates.size() == 1) {
     keep(candidates[0]);

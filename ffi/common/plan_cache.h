@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 #include <unordered_map>
+#include <utility>
 
 namespace cudnn_frontend::graph {
 class Graph;
@@ -26,14 +27,19 @@ struct CachedPlan {
   // Autotuning times their plans too and moves the winner into `graph`.
   std::vector<std::shared_ptr<cudnn_frontend::graph::Graph>> alternatives;
 
-  // Chosen execution plan; -1 until the first execution picks one (autotuning).
+  // Chosen execution plan; -1 until the first execution picks one (autotuning). Its name
+  // (cuDNN's engine and knobs) is for diagnostics. Guarded by tune_mu.
   std::mutex tune_mu;
   int64_t plan_index = -1;
   int64_t workspace_size = 0;
+  std::string plan_name;
 };
 
 struct PlanCacheInfo {
   int64_t size, capacity, hits, misses, evictions;
+  // (key, chosen plan's name) of each entry, most recently used first; the name is empty
+  // before the entry's first execution or when cuDNN cannot serve the key.
+  std::vector<std::pair<std::string, std::string>> plans;
 };
 
 class PlanCache {

@@ -219,6 +219,8 @@ def test_cache_info_counters_grow():
   after = cudnn_jax.cache_info()
   assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
   assert after["size"] >= 1 and after["capacity"] >= after["size"]
+  # The executed forward's entry names the plan autotuning chose.
+  assert any(key.startswith("sdpa_fwd") and name for key, name in after["plans"].items())
 
 
 # ---------------------------------------------------------------------------------------
