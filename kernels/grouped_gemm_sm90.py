@@ -133,6 +133,18 @@ class WarpSpecializedSm90:
     return (loads, storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner),
             storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner), storage)
 
+  def mma_k_tile(self, tiled_mma: cute.TiledMma, accs, tCrA, tCrB, stage):
+    """Issues one K tile's MMAs from ``stage`` (accumulator h against B slot
+    ``stage * len(accs) + h``), then waits for the previous K tile's MMAs: one K tile's
+    MMAs run while the next are issued, so the caller may release the previous stage."""
+    cute.nvgpu.warpgroup.fence()
+    for h, acc in enumerate(accs):
+      for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled
+        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)],
+                  tCrB[(None, None, kb, stage * len(accs) + h)], acc)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(1)
+
   def mma_fragments(self, tiled_mma: cute.TiledMma, sA, sB, tidx, warpgroup):
     """For an MMA thread: the A and B fragments over all stages (per warpgroup), and the
     thread's slice for the accumulator (registers are per thread, so C is partitioned by
@@ -282,18 +294,10 @@ class GroupedGemm(WarpSpecializedSm90):
         group, row_start, row_end = self.tile_rows(tile_starts, row_starts, row_tile)
         for h in cutlass.range_constexpr(self.halves):
           accs[h].fill(0.0)
-        # One K tile's MMAs run while the next are issued: a stage is released once the
-        # MMAs reading it are known complete (wait_group(1) after the next tile's issue).
+        # A stage is released once the MMAs reading it are known complete.
         for k in cutlass.range(k_tiles, unroll=1):
           loads.consumer_wait(consume)
-          cute.nvgpu.warpgroup.fence()
-          for h in cutlass.range_constexpr(self.halves):
-            b_slot = consume.index * self.halves + h
-            for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-              cute.gemm(tiled_mma, accs[h], tCrA[(None, None, kb, consume.index)],
-                        tCrB[(None, None, kb, b_slot)], accs[h])
-          cute.nvgpu.warpgroup.commit_group()
-          cute.nvgpu.warpgroup.wait_group(1)
+          self.mma_k_tile(tiled_mma, accs, tCrA, tCrB, consume.index)
           if k > 0:
             loads.consumer_release(release)
             release.advance()

@@ -101,12 +101,7 @@ class GroupedWgrad(WarpSpecializedSm90):
               sB[(e - r * TILE_N, r, consume.index)] = self.dtype(0.0)
           cute.arch.fence_proxy("async.shared", space="cta")
           cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-          cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, consume.index)],
-                    tCrB[(None, None, kb, consume.index)], acc)
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(1)
+        self.mma_k_tile(tiled_mma, [acc], tCrA, tCrB, consume.index)
         if k > 0:
           loads.consumer_release(release)
           release.advance()
