@@ -7,7 +7,8 @@ causal and not, forward and forward+backward, for cudnn_jax.sdpa (implementation
 and jax.nn.dot_product_attention with implementation "cudnn" and "xla"; plus a decode
 row (B=64, 32 query heads, 8 kv heads, kv length 8192, one query token). Two timings per
 case: the median wall time of single jitted calls (block_until_ready around each), and
-the median per-call time of 10 calls chained inside one jitted loop (no dispatch gaps).
+the median per-call time of 10 calls chained inside one jitted function (straight-line
+code: no dispatch gaps).
 When torch imports and sees the GPU, torch's cuDNN attention runs on the same buffers
 (shared through DLPack; the forward without autograd, as inference), timed by CUDA events:
 one call, and 10 calls between two events.
@@ -83,8 +84,10 @@ def skip_reason(engine, shape, backward, on_gpu):
   return None
 
 
-def make_fns(attn, causal, backward):
-  """(single call, LOOP chained calls) as jitted functions of (q, k, v, dout)."""
+def make_fns(attn, causal, backward, unroll=True):
+  """(single call, LOOP chained calls) as jitted functions of (q, k, v, dout). The chain
+  is straight-line code (``unroll``) or a ``fori_loop``, whose every iteration waits for the
+  host to launch the next one (XLA reads the loop predicate back from the device)."""
   def step(q, k, v, dout):
     if not backward:
       return attn(q, k, v, is_causal=causal)
@@ -96,13 +99,19 @@ def make_fns(attn, causal, backward):
     return jax.tree.leaves(x)[0].reshape(-1)[0].astype(jnp.float32)
 
   def loop(q, k, v, dout):
-    # The inputs pass an optimization barrier together with the previous call's first
-    # output element, so XLA can neither hoist the call out of the loop nor overlap
-    # iterations, and no data is copied for it.
     def body(_, carry):
+      # The inputs pass an optimization barrier together with the previous call's first
+      # output element, so XLA can neither merge, hoist nor overlap the calls, and no
+      # data is copied for it.
       q, k, v, acc = jax.lax.optimization_barrier(carry)
       return q, k, v, acc + first(step(q, k, v, dout))
-    return jax.lax.fori_loop(0, LOOP, body, (q, k, v, jnp.float32(0)))[3]
+
+    carry = (q, k, v, jnp.float32(0))
+    if not unroll:
+      return jax.lax.fori_loop(0, LOOP, body, carry)[3]
+    for i in range(LOOP):
+      carry = body(i, carry)
+    return carry[3]
 
   return jax.jit(step), jax.jit(loop)
 

@@ -26,7 +26,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import cudnn_jax  # pylint: disable=wrong-import-position
-from harness import load_torch  # pylint: disable=wrong-import-position
+from harness import load_torch, time_calls  # pylint: disable=wrong-import-position
+from sdpa import LOOP, make_fns  # pylint: disable=wrong-import-position
 
 CALLS = 5
 
@@ -102,6 +103,14 @@ def main():
   print(f"B={b} S={args.s} N={n} H={h} causal={args.causal} backward={args.backward}")
   show("cudnn_jax.sdpa cudnn", jax_kernels(ours, (q, k, v, dout)))
   show("jax.nn cudnn", jax_kernels(theirs, (q, k, v, dout)))
+  print(f"\nms per call, {LOOP} calls chained in one jitted function:")
+  for name, impl in (("cudnn_jax", "cudnn_jax"), ("jax.nn", "jax.nn")):
+    attn = (functools.partial(cudnn_jax.sdpa, implementation="cudnn") if impl == "cudnn_jax"
+            else functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
+    for unroll in (True, False):
+      chain = make_fns(attn, args.causal, args.backward, unroll)[1]
+      ms = 1e3 * time_calls(chain, (q, k, v, dout), 5, warmup=1) / LOOP
+      print(f"  {name:10s} {'straight-line' if unroll else 'fori_loop':14s} {ms:.3f}")
   torch, why = load_torch()
   if torch is None:
     print(f"\n(no torch row: {why})")

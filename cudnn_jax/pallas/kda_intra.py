@@ -11,8 +11,9 @@ tokens. A pair of tokens in different sub-blocks meets through the first token r
 later one, ``(x_t e^{G_t - G_r}) . (y_s e^{G_r - G_s})`` (both exponents <= 0: no overflow),
 one tensor-core product per pair of sub-blocks, operands in the inputs' dtype. Pairs inside
 a sub-block take their exact decays, one column a loop step. The unit lower-triangular
-system is solved by block forward substitution, each diagonal block inverted in float32 as
-``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` (N strictly lower, so N^16 = 0).
+system's inverse T is built block by block in float32 (16 x 16 blocks only, so few
+registers), each diagonal block as ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` (N
+strictly lower, so N^16 = 0), then applied to the right-hand sides re-read from memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jax.experimental.pallas import triton as pl_triton
 from cudnn_jax.reference import kda as ref
 
 SUB = 16  # tokens of a sub-block: Triton's smallest dot
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 
 def _kernel(q_ref, k_ref, v_ref, G_ref, beta_ref,
@@ -36,6 +37,10 @@ def _kernel(q_ref, k_ref, v_ref, G_ref, beta_ref,
   c = q_ref.shape[3]
   f32 = jnp.float32
   exact = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=f32)
+
+  # The right-hand sides in float32 at the products' precision (TF32 for narrower inputs).
+  solve = functools.partial(jnp.dot, precision=ref.matmul_precision(dt),
                             preferred_element_type=f32)
 
   def mixed(x, y):  # tensor-core product in the inputs' dtype, float32 accumulation
@@ -56,7 +61,7 @@ def _kernel(q_ref, k_ref, v_ref, G_ref, beta_ref,
   G_end = rows(G_ref, c - 1, 1)  # [1, K]
   dec_ref[i, b, h, :] = jnp.exp(G_ref[i, b, h, c - 1, :])
 
-  solved = []  # (w, U) rows of the earlier sub-blocks
+  T = {}  # 16 x 16 blocks (a, j), j <= a, of T = (I + diag(beta) A)^-1
   for a in range(c // SUB):
     q, k, G, beta = (rows(r, a * SUB) for r in (q_ref, k_ref, G_ref, beta_ref))
     put(qg_ref, a, q * jnp.exp(G))
@@ -77,24 +82,33 @@ def _kernel(q_ref, k_ref, v_ref, G_ref, beta_ref,
     for j in range(a + 1, c // SUB):
       put(p_ref, a, zero, j)
 
-    G_r = rows(G_ref, a * SUB, 1)
-    q_r, k_r = q * jnp.exp(G - G_r), k * jnp.exp(G - G_r)
-    rhs_w, rhs_u = beta * k * jnp.exp(G), beta * rows(v_ref, a * SUB)
-    for j, (w_j, u_j) in enumerate(solved):
-      k_j = rows(k_ref, j * SUB) * jnp.exp(G_r - rows(G_ref, j * SUB))
-      put(p_ref, a, mixed(q_r, k_j.T), j)
-      L = beta * mixed(k_r, k_j.T)
-      rhs_w, rhs_u = rhs_w - exact(L, w_j), rhs_u - exact(L, u_j)
-
     N = beta * A  # strictly lower
     inverse, power = eye - N, N
     for _ in range(SUB.bit_length() - 2):  # N^2, N^4, N^8
       power = exact(power, power)
       inverse = exact(inverse, eye + power)
-    w, u = exact(inverse, rhs_w), exact(inverse, rhs_u)
+    T[a, a] = inverse
+
+    # Earlier sub-blocks j: L_aj = beta A_aj, and T_aj = -T_aa sum_{j <= m < a} L_am T_mj.
+    G_r = rows(G_ref, a * SUB, 1)
+    q_r, k_r = q * jnp.exp(G - G_r), k * jnp.exp(G - G_r)
+    L = {}
+    for m in range(a):
+      k_m = rows(k_ref, m * SUB) * jnp.exp(G_r - rows(G_ref, m * SUB))
+      put(p_ref, a, mixed(q_r, k_m.T), m)
+      L[m] = beta * mixed(k_r, k_m.T)
+    for j in range(a):
+      T[a, j] = -exact(inverse, sum(exact(L[m], T[m, j]) for m in range(j, a)))
+
+    # [w | U] rows of sub-block a: sum_j T_aj [beta k e^G | beta v]_j, inputs re-read.
+    w = u = 0.0
+    for j in range(a + 1):
+      beta_j = rows(beta_ref, j * SUB)
+      r_w = beta_j * rows(k_ref, j * SUB) * jnp.exp(rows(G_ref, j * SUB))
+      w = w + solve(T[a, j], r_w)
+      u = u + solve(T[a, j], beta_j * rows(v_ref, j * SUB))
     put(w_ref, a, w)
     put(u_ref, a, u)
-    solved.append((w, u))
 
 
 @functools.partial(jax.jit, static_argnames=("dt", "interpret"))
