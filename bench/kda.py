@@ -135,11 +135,11 @@ def fla(torch, chunk_kda, x, backward):
   return ms, out
 
 
-def run(shapes, anchor):
+def run(shapes, anchor, passes=(False, True)):
   rows = []
   for shape in shapes:
     x = inputs(shape)
-    for backward in (False, True):
+    for backward in passes:
       row = dict(dataclasses.asdict(shape), backward=backward)
       try:
         row["ms"], out = ours(x, backward)
@@ -181,6 +181,7 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table, where the device time goes by engine stage")
   parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
+  parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   args = parser.parse_args()
   global ENGINE  # pylint: disable=global-statement
   ENGINE = args.engine
@@ -200,7 +201,7 @@ def main():
   print("ratio = cudnn_jax ms / FLA ms (> 1: FLA is faster)")
   print(HEADER)
   start = time.perf_counter()
-  rows = run(shapes, anchor)
+  rows = run(shapes, anchor, (False,) if args.forward_only else (False, True))
   elapsed = time.perf_counter() - start
   path = write_results(args.out, f"kda_{ENGINE}", rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
