@@ -313,22 +313,16 @@ def _state_scan(it: Intra, init, seg, dt):
 class FusedKernels(NamedTuple):
   """Kernels that replace stages of the forward pass (None: the stage runs in XLA).
 
-  ``intra(q, k, v, G, beta, dt) -> Intra``: the intra-chunk stage, per-channel gates.
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs, one sequence per batch row (not for packed sequences).
   """
-  intra: object = None
   scan_output: object = None
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
   fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  if fused.intra is not None and G.shape == q.shape:
-    with jax.named_scope("kda_intra"):
-      it = fused.intra(q, k, v, G, beta, dt)
-  else:
-    it = _intra(q, k, v, G, beta, dt)
+  it = _intra(q, k, v, G, beta, dt)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
                                     precision=matmul_precision(dt))
