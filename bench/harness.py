@@ -108,6 +108,26 @@ def hlo_op_names(hlo_text):
   return names
 
 
+def device_events(fn, args, calls=3):
+  """``(name, hlo_op, ms)`` of every device event (a kernel, memset or copy) that XLA
+  attributes to an HLO instruction, over ``calls`` calls of the jitted ``fn(*args)`` under
+  the JAX profiler; on a CPU backend, the host's."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path = next(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(path))
+  planes = [p for p in data.planes if p.name.startswith("/device:")] or data.planes
+  for plane in planes:
+    for line in plane.lines:
+      for event in line.events:
+        op = dict(event.stats).get("hlo_op")
+        if op is not None:
+          yield event.name, op, event.duration_ns / 1e6
+
+
 def profile_scopes(fn, args, scopes, calls=3, top=10):
   """Device time per call of ``fn(*args)`` (jitted) split by ``jax.named_scope`` names.
 
@@ -117,21 +137,9 @@ def profile_scopes(fn, args, scopes, calls=3, top=10):
   ``(ms per call, instruction, op_name)`` (``top`` of them).
   """
   op_names = hlo_op_names(fn.lower(*args).compile().as_text())
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        jax.block_until_ready(fn(*args))
-    path = next(pathlib.Path(tmp).rglob("*.xplane.pb"))
-    data = jax.profiler.ProfileData.from_file(str(path))
   per_op = collections.Counter()
-  planes = [p for p in data.planes if p.name.startswith("/device:")] or data.planes  # CPU: host
-  for plane in planes:
-    for line in plane.lines:
-      for event in line.events:
-        op = dict(event.stats).get("hlo_op")
-        if op is not None:
-          per_op[op] += event.duration_ns / 1e6 / calls
+  for _, op, ms in device_events(fn, args, calls):
+    per_op[op] += ms / calls
   by_scope = collections.Counter()
   for op, ms in per_op.items():
     # Components look like "kda_intra" or, under autodiff, "transpose(jvp(kda_intra))".

@@ -157,10 +157,10 @@ def measure(name, attn, shape, dtype, backward, use_loop, args, device_time=Fals
   return add_rates(row, shape, dtype, backward)
 
 
-def measure_torch(torch, shape, dtype, backward, args):
-  """The row of torch's cuDNN attention (BHSD views of the same BSHD buffers)."""
+def torch_step(torch, shape, backward, args):
+  """A call of torch's cuDNN attention on BHSD views of the same BSHD buffers: forward
+  without autograd, or forward and the input gradients for ``dout``."""
   from torch.nn import attention as tattn  # pylint: disable=g-import-not-at-top
-  row = new_row("torch cudnn", shape, dtype, backward)
   q, k, v, dout = (torch.from_dlpack(x).transpose(1, 2) for x in args)
   gqa = dict(enable_gqa=True) if shape.k != shape.n else {}
 
@@ -171,11 +171,18 @@ def measure_torch(torch, shape, dtype, backward, args):
 
   if backward:
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    step = lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
-  else:
-    def step():
-      with torch.no_grad():
-        return attend(q, k, v)
+    return lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
+
+  def step():
+    with torch.no_grad():
+      return attend(q, k, v)
+  return step
+
+
+def measure_torch(torch, shape, dtype, backward, args):
+  """The row of torch's cuDNN attention."""
+  row = new_row("torch cudnn", shape, dtype, backward)
+  step = torch_step(torch, shape, backward, args)
   try:
     row["ms"] = torch_time_ms(torch, step, CALLS, WARMUP)
     row["ms_in_jit"] = torch_time_ms(torch, step, LOOP_REPEATS, 1, chained=LOOP)
