@@ -63,6 +63,8 @@ done
 SWEEP=$LOG/sweep  # in LOG, so a run cut short still leaves what it did
 mkdir -p "$SWEEP"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
+# The float64 oracle's BLAS would otherwise start a thread per core in every process.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 # SWEEP_SHARDS (default PROCS) cuts the sweep into that many shards; this run takes PROCS
 # of them from SWEEP_FIRST on, so runs on several machines can share one sweep.
 SHARDS=${SWEEP_SHARDS:-$PROCS}; FIRST=${SWEEP_FIRST:-0}
