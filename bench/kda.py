@@ -10,7 +10,8 @@ tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
 --engine picks the cudnn_jax engine (default xla; "cute" runs the forward's inter-chunk
-state recurrence as one GPU kernel). With --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
+state recurrence as one GPU kernel); --forward-only leaves out forward+backward. With
+--profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
 XLA's command buffers turned off so that every kernel is seen.
 Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
