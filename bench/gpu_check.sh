@@ -65,6 +65,8 @@ mkdir -p "$SWEEP"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $PROCS, 3))")
 # The float64 oracle's BLAS would otherwise start a thread per core in every process.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+# Hundreds of distinct programs are compiled once each: no GEMM autotuning at every compile.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 # SWEEP_SHARDS (default PROCS) cuts the sweep into that many shards; this run takes PROCS
 # of them from SWEEP_FIRST on, so runs on several machines can share one sweep.
 SHARDS=${SWEEP_SHARDS:-$PROCS}; FIRST=${SWEEP_FIRST:-0}

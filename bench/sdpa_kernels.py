@@ -1,6 +1,6 @@
 """Which GPU kernels one attention call runs, and for how long, on each path.
 
-    python bench/sdpa_kernels.py [--s 4096] [--causal] [--backward]
+    python bench/sdpa_kernels.py [--s 4096] [--causal] [--backward] [--out DIR]
 
 For B*S = 16384 tokens, 16 heads, head dim 128, bf16: the device kernels of one call of
 cudnn_jax.sdpa (cudnn engine), jax.nn.dot_product_attention (cudnn) and, when torch sees
@@ -8,7 +8,7 @@ the GPU, torch's cuDNN attention on the same buffers, each from its own profiler
 call, kernel name); the per-call time of 10 calls chained in one jitted function as
 straight-line code and as a fori_loop. Also the cuDNN libraries this process loaded and
 the execution plans cudnn_jax chose, so a difference in speed can be traced to a kernel,
-a plan, a library or the launches between kernels.
+a plan, a library or the launches between kernels. Writes DIR/sdpa_kernels.json.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pathlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 # One profiler event per kernel, not per CUDA graph.
@@ -23,7 +24,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_c
 
 import cudnn_jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
-from harness import device_events, load_torch, time_calls  # pylint: disable=wrong-import-position
+from harness import device_events, load_torch, time_calls, write_results  # pylint: disable=wrong-import-position
 import sdpa  # pylint: disable=wrong-import-position
 
 CALLS = 5
@@ -69,29 +70,40 @@ def main():
   parser.add_argument("--s", type=int, default=4096)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--backward", action="store_true")
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   args = parser.parse_args()
   shape = sdpa.Shape(b=16384 // args.s, t=args.s, s=args.s, n=16, k=16, h=128,
                      causal=args.causal)
   tensors = sdpa.inputs(shape, jnp.bfloat16)
   print(f"{shape} backward={args.backward}")
+  rows = []
   for name, attn in sdpa.engines(on_gpu=True, with_xla=False).items():
     single = sdpa.make_fns(attn, args.causal, args.backward)[0]
-    show(name, jax_kernels(single, tensors))
+    kernels = jax_kernels(single, tensors)
+    show(name, kernels)
+    row = dict(path=name, device_ms=sum(kernels.values()), kernels=dict(kernels))
     for unroll in (True, False):
       chain = sdpa.make_fns(attn, args.causal, args.backward, unroll)[1]
       ms = 1e3 * time_calls(chain, tensors, 5, warmup=1) / sdpa.LOOP
-      print(f"  {sdpa.LOOP} calls chained in one jit, "
-            f"{'straight-line' if unroll else 'fori_loop'}: {ms:.3f} ms per call")
+      how = "straight-line" if unroll else "fori_loop"
+      row[f"chained_{how}_ms"] = ms
+      print(f"  {sdpa.LOOP} calls chained in one jit, {how}: {ms:.3f} ms per call")
+    rows.append(row)
   torch, why = load_torch()
   if torch is None:
     print(f"\n(no torch row: {why})")
   else:
-    show(f"torch {torch.__version__} cudnn {torch.backends.cudnn.version()}",
-         torch_kernels(torch, sdpa.torch_step(torch, shape, args.backward, tensors)))
+    kernels = torch_kernels(torch, sdpa.torch_step(torch, shape, args.backward, tensors))
+    name = f"torch {torch.__version__} cudnn {torch.backends.cudnn.version()}"
+    show(name, kernels)
+    rows.append(dict(path=name, device_ms=sum(kernels.values()), kernels=dict(kernels)))
   print("\nlibcudnn loaded:", *loaded_cudnn(), sep="\n  ")
   print("\ncudnn_jax plans:")
   for key, plan in cudnn_jax.cache_info().get("plans", {}).items():
     print(f"  {plan}  <- {str(key)[:160]}")
+  print("wrote", write_results(args.out, "sdpa_kernels", rows, shape=str(shape),
+                               backward=args.backward, libcudnn=loaded_cudnn(),
+                               cache_info=cudnn_jax.cache_info()))
 
 
 if __name__ == "__main__":
