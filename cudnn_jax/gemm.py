@@ -263,6 +263,15 @@ def _grouped_matmul_check(dtype, m, k, n, groups):
       dict(dtype=dtype, m=m, k=k, n=n, groups=groups)) or None
 
 
+def _grouped_matmul_workspace(lhs, rhs_nk):
+  """The u8 workspace result the handler runs cuDNN in."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  (m, k), (groups, n, _) = lhs.shape, rhs_nk.shape
+  size = _extension.module().grouped_matmul_workspace(
+      dict(dtype=jnp.dtype(lhs.dtype).name, m=m, k=k, n=n, groups=groups))
+  return jax.ShapeDtypeStruct((max(size, 1),), jnp.uint8)
+
+
 def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
   columns = call.n * (2 if call.glu else 1)
   # The forward product, and the lhs gradient (the same node against rhs as stored).
@@ -273,10 +282,12 @@ def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
 
 def _grouped_matmul_ffi(lhs, rhs_nk, offsets):
   """The FFI handler: group g's rows start at ``offsets[g]``; the last group runs to M."""
-  return jax.ffi.ffi_call(
+  out, _ = jax.ffi.ffi_call(
       "cudnn_jax_grouped_matmul",
-      jax.ShapeDtypeStruct((lhs.shape[0], rhs_nk.shape[1]), lhs.dtype),
+      (jax.ShapeDtypeStruct((lhs.shape[0], rhs_nk.shape[1]), lhs.dtype),
+       _grouped_matmul_workspace(lhs, rhs_nk)),
       vmap_method="sequential")(lhs, rhs_nk, offsets)
+  return out
 
 
 def _cudnn_matmul(lhs, rhs, group_sizes):

@@ -83,9 +83,9 @@ std::shared_ptr<CachedPlan> plan_for(const GroupedMatmulConfig& c, int device,
                    [&](DeviceHandle& h) { return build_plan(c, device, h); }, error);
 }
 
-ffi::Error grouped_matmul(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                          ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer offsets,
-                          ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error grouped_matmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                          ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> workspace) {
   return guarded(kOp, [&]() -> ffi::Error {
     GroupedMatmulConfig c;
     c.dtype = lhs.element_type();
@@ -111,18 +111,35 @@ ffi::Error grouped_matmul(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {kOffsets, offsets.untyped_data()},
         {kOut, out->untyped_data()},
     };
-    return run_plan(*plan, *handle, stream, scratch, tensors, kOp);
+    return run_plan(*plan, *handle, stream, workspace_of(*workspace), tensors, kOp);
   });
+}
+
+}  // namespace
+
+namespace {
+
+// The cached plan of `config` on the current device, or null with *error set.
+std::shared_ptr<CachedPlan> checked_plan(const GroupedMatmulConfig& config, std::string* error) {
+  int device = current_device(error);
+  if (device < 0) {
+    *error = stage_message(kOp, "device", *error);
+    return nullptr;
+  }
+  DeviceHandle* handle = nullptr;
+  return plan_for(config, device, &handle, error);
 }
 
 }  // namespace
 
 std::string grouped_matmul_check(const GroupedMatmulConfig& config) {
   std::string err;
-  int device = current_device(&err);
-  if (device < 0) return stage_message(kOp, "device", err);
-  DeviceHandle* handle = nullptr;
-  return plan_for(config, device, &handle, &err) ? "" : err;
+  return checked_plan(config, &err) ? "" : err;
+}
+
+int64_t grouped_matmul_workspace(const GroupedMatmulConfig& config, std::string* error) {
+  std::shared_ptr<CachedPlan> plan = checked_plan(config, error);
+  return plan ? workspace_bound(*plan) : -1;
 }
 
 }  // namespace cudnn_jax
@@ -130,8 +147,9 @@ std::string grouped_matmul_check(const GroupedMatmulConfig& config) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxGroupedMatmul, cudnn_jax::grouped_matmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()   // lhs
                                   .Arg<xla::ffi::AnyBuffer>()   // rhs
                                   .Arg<xla::ffi::AnyBuffer>()   // offsets
-                                  .Ret<xla::ffi::AnyBuffer>());  // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace (u8)
+                              {xla::ffi::Traits::kCmdBufferCompatible});

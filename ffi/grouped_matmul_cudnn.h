@@ -19,6 +19,10 @@ struct GroupedMatmulConfig {
 // it, else the reason, naming the stage that failed.
 std::string grouped_matmul_check(const GroupedMatmulConfig& config);
 
+// Bytes of the handler's workspace result for `config`; -1 with *error set when cuDNN
+// cannot serve it.
+int64_t grouped_matmul_workspace(const GroupedMatmulConfig& config, std::string* error);
+
 }  // namespace cudnn_jax
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxGroupedMatmul);

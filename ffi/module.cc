@@ -145,15 +145,43 @@ std::string sdpa_check(const nb::dict& config) {
   return cudnn_jax::sdpa_check(c);
 }
 
-std::string grouped_matmul_check(const nb::dict& d) {
+// Workspace bytes from `query` (a *_workspace function); raises ValueError when cuDNN
+// cannot serve the configuration.
+template <typename Config>
+int64_t workspace_or_raise(int64_t (*query)(const Config&, std::string*), const Config& c) {
+  std::string err;
+  int64_t bytes;
+  {
+    nb::gil_scoped_release release;  // plan building can take a while
+    bytes = query(c, &err);
+  }
+  if (bytes < 0) throw nb::value_error(err.c_str());
+  return bytes;
+}
+
+int64_t sdpa_workspace(const nb::dict& config) {
+  return workspace_or_raise(&cudnn_jax::sdpa_workspace, parse_sdpa_config(config));
+}
+
+cudnn_jax::GroupedMatmulConfig parse_grouped_matmul_config(const nb::dict& d) {
   cudnn_jax::GroupedMatmulConfig c;
   c.dtype = parse_dtype(as_string(d, "dtype"));
   c.m = as_int(d, "m");
   c.k = as_int(d, "k");
   c.n = as_int(d, "n");
   c.groups = as_int(d, "groups");
+  return c;
+}
+
+std::string grouped_matmul_check(const nb::dict& d) {
+  cudnn_jax::GroupedMatmulConfig c = parse_grouped_matmul_config(d);
   nb::gil_scoped_release release;
   return cudnn_jax::grouped_matmul_check(c);
+}
+
+int64_t grouped_matmul_workspace(const nb::dict& config) {
+  return workspace_or_raise(&cudnn_jax::grouped_matmul_workspace,
+                            parse_grouped_matmul_config(config));
 }
 
 nb::dict cache_info() {
@@ -182,6 +210,12 @@ NB_MODULE(_ffi, m) {
   m.def("grouped_matmul_check", &grouped_matmul_check, nb::arg("config"),
         "'' when cuDNN can serve this grouped matmul (dtype, m, k, n, groups) on the current "
         "device, else why not. Builds and caches the plan.");
+  m.def("sdpa_workspace", &sdpa_workspace, nb::arg("config"),
+        "Bytes of the SDPA handlers' workspace result for this configuration (the dict "
+        "sdpa_check takes); ValueError when cuDNN cannot serve it.");
+  m.def("grouped_matmul_workspace", &grouped_matmul_workspace, nb::arg("config"),
+        "Bytes of the grouped matmul handler's workspace result; ValueError when cuDNN "
+        "cannot serve the configuration.");
   m.def("aot_kernels", &aot_kernels,
         "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
   m.def("cache_info", &cache_info,

@@ -409,9 +409,9 @@ SdpaConfig from_attributes(bool backward, float scale, bool causal, bool bottom_
 }
 
 
-ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs rest,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets rest_rets, float scale,
+ffi::Error sdpa_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets, float scale,
                     bool causal, bool bottom_right, int32_t window_left, int32_t window_right,
                     float softcap, bool has_bias, bool has_padding, bool with_lse) {
   return guarded("sdpa_fwd", [&]() -> ffi::Error {
@@ -443,15 +443,15 @@ ffi::Error sdpa_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     if (lse) {
       if (ffi::Error e = prefill(stream, "sdpa_fwd", false, {&*lse}); e.failure()) return e;
     }
-    return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_fwd");
+    return run_plan(*plan, *handle, stream, workspace_of(*workspace), tensors, "sdpa_fwd");
   });
 }
 
-ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-                    ffi::AnyBuffer lse, ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> dq,
+ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                    ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::RemainingRets rest_rets, float scale, bool causal, bool bottom_right,
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets, float scale, bool causal, bool bottom_right,
                     int32_t window_left, int32_t window_right, float softcap, bool has_bias,
                     bool has_padding, bool has_dbias) {
   return guarded("sdpa_bwd", [&]() -> ffi::Error {
@@ -488,24 +488,43 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     ffi::Error e = prefill(stream, "sdpa_bwd", has_padding,
                            {&*dq, &*dk, &*dv, dbias ? &*dbias : nullptr});
     if (e.failure()) return e;
-    return run_plan(*plan, *handle, stream, scratch, tensors, "sdpa_bwd");
+    return run_plan(*plan, *handle, stream, workspace_of(*workspace), tensors, "sdpa_bwd");
   });
 }
 
 }  // namespace
 
-std::string sdpa_check(const SdpaConfig& requested) {
+namespace {
+
+// The cached plan of `requested` on the current device (built on a miss), or null with
+// *error saying why cuDNN cannot serve it.
+std::shared_ptr<CachedPlan> checked_plan(const SdpaConfig& requested, std::string* error) {
   SdpaConfig config = requested;
   config.has_dbias = config.backward && config.has_dbias;  // the forward has no dbias
-  std::string err;
-  int device = current_device(&err);
-  if (device < 0) return stage_message(op_name(config), "device", err);
+  int device = current_device(error);
+  if (device < 0) {
+    *error = stage_message(op_name(config), "device", *error);
+    return nullptr;
+  }
   try {
     DeviceHandle* handle = nullptr;
-    return plan_for(config, device, &handle, &err) ? "" : err;
+    return plan_for(config, device, &handle, error);
   } catch (const std::exception& e) {
-    return stage_message(op_name(config), "exception", e.what());
+    *error = stage_message(op_name(config), "exception", e.what());
+    return nullptr;
   }
+}
+
+}  // namespace
+
+std::string sdpa_check(const SdpaConfig& config) {
+  std::string err;
+  return checked_plan(config, &err) ? "" : err;
+}
+
+int64_t sdpa_workspace(const SdpaConfig& config, std::string* error) {
+  std::shared_ptr<CachedPlan> plan = checked_plan(config, error);
+  return plan ? workspace_bound(*plan) : -1;
 }
 
 }  // namespace cudnn_jax
@@ -534,19 +553,19 @@ auto with_sdpa_attributes(Binding binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                               with_sdpa_attributes(ffi::Ffi::Bind()
                                   .Ctx<Stream>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
                                   .RemainingArgs()        // [bias], [q_lens, kv_lens]
                                   .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())       // [lse]
-                                  .Attr<bool>("with_lse"));
+                                  .Attr<bool>("with_lse"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                               with_sdpa_attributes(ffi::Ffi::Bind()
                                   .Ctx<Stream>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
@@ -557,5 +576,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())  // [dbias]
-                                  .Attr<bool>("has_dbias"));
+                                  .Attr<bool>("has_dbias"),
+                              {ffi::Traits::kCmdBufferCompatible});

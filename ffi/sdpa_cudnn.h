@@ -30,6 +30,10 @@ struct SdpaConfig {
 // serve it, else the reason, naming the stage that failed.
 std::string sdpa_check(const SdpaConfig& config);
 
+// Bytes of the handlers' workspace result for `config`; -1 with *error set when cuDNN
+// cannot serve it.
+int64_t sdpa_workspace(const SdpaConfig& config, std::string* error);
+
 }  // namespace cudnn_jax
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxSdpaFwd);

@@ -66,19 +66,34 @@ class SdpaConfig:
 # FFI calls, custom-partitioned.
 
 
+def _workspace(config, backward, q, k, v, extras):
+  """The u8 workspace result the handler runs cuDNN in, sized for these (local) shapes."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  b, t, n, h = q.shape
+  query = config.check_config(
+      backward=backward, dtype=jnp.dtype(q.dtype).name, b=b, t=t, s=k.shape[1], n=n,
+      k=k.shape[2], h=h, hv=v.shape[3], bias_shape=extras[0].shape if config.has_bias else None)
+  size = _extension.module().sdpa_workspace(query)
+  return jax.ShapeDtypeStruct((max(size, 1),), jnp.uint8)
+
+
 def _fwd_ffi(config, q, k, v, *extras):
-  out_types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
-                    for a in _fwd_abstract(q, k, v, config=config))
-  return tuple(jax.ffi.ffi_call("cudnn_jax_sdpa_fwd", out_types)(
-      q, k, v, *extras, **config.ffi_attrs(backward=False)))
+  out, *lse = (jax.ShapeDtypeStruct(a.shape, a.dtype)
+               for a in _fwd_abstract(q, k, v, config=config))
+  out_types = (out, _workspace(config, False, q, k, v, extras), *lse)
+  out, _, *lse = jax.ffi.ffi_call("cudnn_jax_sdpa_fwd", out_types)(
+      q, k, v, *extras, **config.ffi_attrs(backward=False))
+  return (out, *lse)
 
 
 def _bwd_ffi(config, q, k, v, out, dout, lse, *extras):
-  out_types = [_common.with_shape(q), _common.with_shape(k), _common.with_shape(v)]
+  out_types = [_common.with_shape(q), _common.with_shape(k), _common.with_shape(v),
+               _workspace(config, True, q, k, v, extras)]
   if config.has_dbias:
     out_types.append(_common.with_shape(extras[0]))
-  return tuple(jax.ffi.ffi_call("cudnn_jax_sdpa_bwd", tuple(out_types))(
-      q, k, v, out, dout, lse, *extras, **config.ffi_attrs(backward=True)))
+  dq, dk, dv, _, *dbias = jax.ffi.ffi_call("cudnn_jax_sdpa_bwd", tuple(out_types))(
+      q, k, v, out, dout, lse, *extras, **config.ffi_attrs(backward=True))
+  return (dq, dk, dv, *dbias)
 
 
 def _operand_specs(config, mesh, q_sharding, shapes):

@@ -11,8 +11,8 @@ namespace {
 
 constexpr int kMaxTunedCandidates = 8;
 constexpr int kTimedRuns = 3;
-// cuDNN wants 256-byte aligned workspaces; XLA's scratch allocator refuses alignments above
-// 16, so over-allocate and round up.
+// cuDNN wants 256-byte aligned workspaces; XLA aligns buffers less, so the workspace result
+// is over-sized by this much and rounded up.
 constexpr uintptr_t kWorkspaceAlignment = 256;
 
 bool autotune_enabled() {
@@ -49,22 +49,34 @@ std::vector<Candidate> built_candidates(const CachedPlan& plan, int limit) {
   return out;
 }
 
-// A workspace of `size` bytes from XLA's scratch allocator (nullptr when size is 0);
-// false when the allocation fails.
-bool allocate_workspace(ffi::ScratchAllocator& scratch, int64_t size, void** out) {
+// cuDNN's workspace: `workspace` rounded up to kWorkspaceAlignment; false when fewer than
+// `size` bytes remain from there.
+bool aligned_workspace(const Workspace& workspace, int64_t size, void** out) {
   *out = nullptr;
   if (size <= 0) return true;
-  auto mem = scratch.Allocate(static_cast<size_t>(size) + kWorkspaceAlignment);
-  if (!mem.has_value()) return false;
-  uintptr_t p = reinterpret_cast<uintptr_t>(*mem);
-  *out = reinterpret_cast<void*>((p + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1));
+  uintptr_t p = reinterpret_cast<uintptr_t>(workspace.data);
+  uintptr_t aligned = (p + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1);
+  if (workspace.data == nullptr ||
+      static_cast<int64_t>(aligned - p) + size > workspace.size) {
+    return false;
+  }
+  *out = reinterpret_cast<void*>(aligned);
   return true;
 }
 
-ffi::Error workspace_error(std::string_view op, std::string_view stage, int64_t size) {
-  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                    stage_message(op, stage, "cannot allocate a workspace of " +
-                                                 std::to_string(size) + " bytes"));
+ffi::Error workspace_error(std::string_view op, std::string_view stage, int64_t size,
+                           const Workspace& workspace) {
+  return internal_error(stage_message(
+      op, stage, "the workspace result holds " + std::to_string(workspace.size) +
+                     " bytes; the plan needs " + std::to_string(size) +
+                     " (aligned to " + std::to_string(kWorkspaceAlignment) + ")"));
+}
+
+// Whether `stream` is recording a CUDA graph (XLA's command buffers): no timing then.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+         status != cudaStreamCaptureStatusNone;
 }
 
 struct Events {
@@ -92,14 +104,23 @@ float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_
   return ms;
 }
 
-// Picks plan.plan_index: the fastest timed candidate, or the heuristic's first choice.
+// Picks plan.plan_index: the fastest timed candidate, or the heuristic's first choice
+// (autotuning off, or the stream capturing a CUDA graph, where nothing can be timed).
+// Candidates whose workspace does not fit `workspace` are skipped.
 ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
-                       ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
+                       const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
                        std::string_view op) {
-  std::vector<Candidate> candidates =
-      built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1);
-  if (!autotune_enabled()) candidates.resize(std::min<size_t>(candidates.size(), 1));
-  if (candidates.empty()) return internal_error(stage_message(op, "autotune", "no built plan"));
+  std::vector<Candidate> candidates;
+  for (const Candidate& c : built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1)) {
+    void* unused;
+    if (aligned_workspace(workspace, plan_workspace(*c.graph, c.index), &unused)) {
+      candidates.push_back(c);
+    }
+  }
+  if (candidates.empty()) {
+    return internal_error(stage_message(op, "autotune", "no built plan fits the workspace"));
+  }
+  if (!autotune_enabled() || capturing(stream)) candidates.resize(1);
   auto keep = [&plan](const Candidate& best) {
     plan.graph = best.graph;
     plan.alternatives.clear();  // the losers' plans are not needed any more
@@ -117,10 +138,8 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
   for (const Candidate& c : candidates) {
     max_workspace = std::max(max_workspace, plan_workspace(*c.graph, c.index));
   }
-  void* workspace = nullptr;
-  if (!allocate_workspace(scratch, max_workspace, &workspace)) {
-    return workspace_error(op, "autotune", max_workspace);
-  }
+  void* scratch = nullptr;
+  aligned_workspace(workspace, max_workspace, &scratch);  // every candidate fits
   Events ev;
   if (cudaEventCreate(&ev.start) != cudaSuccess || cudaEventCreate(&ev.stop) != cudaSuccess) {
     return internal_error(stage_message(op, "autotune", "cudaEventCreate failed"));
@@ -128,7 +147,7 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
   const Candidate* best = nullptr;
   float best_ms = std::numeric_limits<float>::max();
   for (const Candidate& c : candidates) {
-    float ms = time_plan(*c.graph, handle, stream, tensors, workspace, c.index, ev);
+    float ms = time_plan(*c.graph, handle, stream, tensors, scratch, c.index, ev);
     if (ms >= 0.f && ms < best_ms) {
       best_ms = ms;
       best = &c;
@@ -195,8 +214,20 @@ std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::stri
   return "";
 }
 
+int64_t workspace_bound(CachedPlan& plan) {
+  std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
+  int64_t size = plan.workspace_size;
+  if (plan.plan_index < 0) {
+    for (const Candidate& c :
+         built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1)) {
+      size = std::max(size, plan_workspace(*c.graph, c.index));
+    }
+  }
+  return size > 0 ? size + static_cast<int64_t>(kWorkspaceAlignment) : 0;
+}
+
 ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
-                    ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
+                    const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
                     std::string_view op) {
   std::lock_guard<std::mutex> handle_lock(handle.mu);
   if (std::string err = set_handle_stream(handle, stream); !err.empty()) {
@@ -205,18 +236,18 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
   {
     std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
     if (plan.plan_index < 0) {
-      if (ffi::Error err = choose_plan(plan, handle.handle, stream, scratch, tensors, op);
+      if (ffi::Error err = choose_plan(plan, handle.handle, stream, workspace, tensors, op);
           err.failure()) {
         return err;
       }
     }
   }
 
-  void* workspace = nullptr;
-  if (!allocate_workspace(scratch, plan.workspace_size, &workspace)) {
-    return workspace_error(op, "workspace", plan.workspace_size);
+  void* aligned = nullptr;
+  if (!aligned_workspace(workspace, plan.workspace_size, &aligned)) {
+    return workspace_error(op, "workspace", plan.workspace_size, workspace);
   }
-  if (auto err = plan.graph->execute_plan_at_index(handle.handle, tensors, workspace,
+  if (auto err = plan.graph->execute_plan_at_index(handle.handle, tensors, aligned,
                                                    plan.plan_index);
       err.is_bad()) {
     return internal_error(stage_message(op, "execute", err));

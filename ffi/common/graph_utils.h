@@ -1,6 +1,6 @@
 // Helpers for TUs that build cudnn_frontend graphs: dtype mapping, the build sequence
 // (validate -> lower -> heuristics -> support check -> plans), and plan execution with
-// one-time autotuning on XLA's stream.
+// one-time autotuning on XLA's stream, in a workspace XLA owns.
 #pragma once
 
 #include <cudnn_frontend.h>
@@ -38,11 +38,27 @@ std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm);
 // execution plan (heuristics mode A, then FALLBACK). Returns "" or the failure.
 std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op);
 
+// cuDNN's workspace: a u8 result of the custom call, so that XLA owns it (and a CUDA graph
+// capturing the call replays with valid memory).
+struct Workspace {
+  void* data = nullptr;
+  int64_t size = 0;
+};
+
+inline Workspace workspace_of(ffi::AnyBuffer& buffer) {
+  return {buffer.untyped_data(), static_cast<int64_t>(buffer.size_bytes())};
+}
+
+// Bytes the workspace result of a call of `plan` needs: the chosen plan's or, before the
+// first execution, the largest of the candidates autotuning would time; alignment included.
+int64_t workspace_bound(CachedPlan& plan);
+
 // Runs `plan` on `stream` with tensors bound by uid. On the first run of a plan, times up
-// to 8 candidate plans and keeps the fastest (unless CUDNN_JAX_AUTOTUNE=0).
-// The workspace comes from XLA's scratch allocator.
+// to 8 candidate plans that fit `workspace` and keeps the fastest (unless
+// CUDNN_JAX_AUTOTUNE=0, or the stream is capturing a CUDA graph: then the heuristic's
+// first choice).
 ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
-                    ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& tensors,
+                    const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
                     std::string_view op);
 
 // The cached plan of `key` on `device`, built by `build` on a miss (cuDNN loaded and the
