@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick] [--profile] [--engine xla|cute]
+    python bench/kda.py [--out DIR] [--quick] [--profile] [--engine xla|cute] [--shapes 8x4096]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -10,7 +10,8 @@ tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
 --engine picks the cudnn_jax engine (default xla; "cute" runs the forward's inter-chunk
-state recurrence as one GPU kernel); --forward-only leaves out forward+backward. With
+state recurrence as one GPU kernel); --forward-only leaves out forward+backward; --shapes
+takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
 --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
 XLA's command buffers turned off so that every kernel is seen.
@@ -183,6 +184,8 @@ def main():
                       help="instead of the table, where the device time goes by engine stage")
   parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
+  parser.add_argument("--shapes", default="8x4096,2x16384",
+                      help="comma-separated BxT pairs (H=16, K=V=128)")
   args = parser.parse_args()
   global ENGINE  # pylint: disable=global-statement
   ENGINE = args.engine
@@ -195,7 +198,8 @@ def main():
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
     anchor = (None, "--quick")
   else:
-    shapes = [Shape(b=8, t=4096, h=16, k=128, v=128), Shape(b=2, t=16384, h=16, k=128, v=128)]
+    shapes = [Shape(b=int(b), t=int(t), h=16, k=128, v=128)
+              for b, t in (pair.split("x") for pair in args.shapes.split(","))]
     anchor = load_fla()
   if anchor[0] is None:
     print(f"FLA column left out: {anchor[1]}")

@@ -560,8 +560,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())       // [lse]
-                                  .Attr<bool>("with_lse"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<bool>("with_lse"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                               with_sdpa_attributes(ffi::Ffi::Bind()
@@ -578,5 +577,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())  // [dbias]
-                                  .Attr<bool>("has_dbias"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<bool>("has_dbias"));

@@ -38,8 +38,8 @@ std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm);
 // execution plan (heuristics mode A, then FALLBACK). Returns "" or the failure.
 std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op);
 
-// cuDNN's workspace: a u8 result of the custom call, so that XLA owns it (and a CUDA graph
-// capturing the call replays with valid memory).
+// cuDNN's workspace: a u8 result of the custom call, sized when the call is lowered, so
+// that XLA owns it (and could capture the call into a CUDA graph).
 struct Workspace {
   void* data = nullptr;
   int64_t size = 0;
