@@ -126,8 +126,10 @@ engines.register_op("moe_mlp", lambda *a, **kw: _prepare(*a, **kw)[0])
 engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_xla)
 
 
-# GPU engines: the grouped GEMM engines of the same name run both projections (opt-in, as
-# those are).
+# GPU engines: the grouped GEMM engines of the same name run both projections, opt-in where
+# those are ("cudnn"). "cute" serves by default: an H200 runs the forward+backward of T=16384
+# D=4096 F=2048 E=64 top-4 in 32 ms, where the xla engine's lax.ragged_dot gradients run out
+# of memory (they ask for about 100 GiB).
 
 
 def _projections(call: MoeCall):
@@ -155,7 +157,7 @@ def _register_gpu_engine(name):
     return ref.moe_mlp(*x, glu=call.glu, activation=call.activation,
                        grouped_gemm=grouped_gemms[name])
 
-  engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=True)
+  engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=grouped.opt_in)
 
 
 for _name in ("cudnn", "cute"):
