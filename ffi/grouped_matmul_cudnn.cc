@@ -133,13 +133,11 @@ std::shared_ptr<CachedPlan> checked_plan(const GroupedMatmulConfig& config, std:
 }  // namespace
 
 std::string grouped_matmul_check(const GroupedMatmulConfig& config) {
-  std::string err;
-  return checked_plan(config, &err) ? "" : err;
+  return plan_check([&](std::string* e) { return checked_plan(config, e); });
 }
 
 int64_t grouped_matmul_workspace(const GroupedMatmulConfig& config, std::string* error) {
-  std::shared_ptr<CachedPlan> plan = checked_plan(config, error);
-  return plan ? workspace_bound(*plan) : -1;
+  return plan_workspace_bytes([&](std::string* e) { return checked_plan(config, e); }, error);
 }
 
 }  // namespace cudnn_jax

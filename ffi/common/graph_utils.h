@@ -53,6 +53,20 @@ inline Workspace workspace_of(ffi::AnyBuffer& buffer) {
 // first execution, the largest of the candidates autotuning would time; alignment included.
 int64_t workspace_bound(CachedPlan& plan);
 
+// An op's check ("" or why cuDNN cannot serve) and workspace size (-1 then) from its plan
+// lookup `find(std::string* error) -> std::shared_ptr<CachedPlan>` (null on failure).
+template <typename Find>
+std::string plan_check(Find find) {
+  std::string err;
+  return find(&err) ? "" : err;
+}
+
+template <typename Find>
+int64_t plan_workspace_bytes(Find find, std::string* error) {
+  std::shared_ptr<CachedPlan> plan = find(error);
+  return plan ? workspace_bound(*plan) : -1;
+}
+
 // Runs `plan` on `stream` with tensors bound by uid. On the first run of a plan, times up
 // to 8 candidate plans that fit `workspace` and keeps the fastest (unless
 // CUDNN_JAX_AUTOTUNE=0, or the stream is capturing a CUDA graph: then the heuristic's
