@@ -266,10 +266,10 @@ def _grouped_matmul_check(dtype, m, k, n, groups):
 def _grouped_matmul_workspace(lhs, rhs_nk):
   """The u8 workspace result the handler runs cuDNN in."""
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.primitives import _common  # pylint: disable=g-import-not-at-top
   (m, k), (groups, n, _) = lhs.shape, rhs_nk.shape
-  size = _extension.module().grouped_matmul_workspace(
-      dict(dtype=jnp.dtype(lhs.dtype).name, m=m, k=k, n=n, groups=groups))
-  return jax.ShapeDtypeStruct((max(size, 1),), jnp.uint8)
+  return _common.workspace_result(_extension.module().grouped_matmul_workspace(
+      dict(dtype=jnp.dtype(lhs.dtype).name, m=m, k=k, n=n, groups=groups)))
 
 
 def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:

@@ -123,3 +123,24 @@ def test_moe_mlp_engine_matches_xla(emulated, engine):
   got = jax.jit(lambda *a: value_and_grads(*a))(x, weights, w_up, w_down)  # a new trace
   for name, a, b in zip(["y", "dx", "dweights", "dw_up", "dw_down"], got, want):
     assert _rel(a, b) < 2e-2, name
+
+
+def test_cudnn_ffi_call_takes_a_workspace_result(monkeypatch):
+  """The cuDNN handler's workspace is an extra u8 result sized by the extension; the call
+  hands back the product alone."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  queries = []
+
+  class FakeModule:
+    @staticmethod
+    def grouped_matmul_workspace(query):
+      queries.append(query)
+      return 512
+
+  monkeypatch.setattr(_extension, "module", FakeModule)
+  lhs = jax.ShapeDtypeStruct((40, 16), jnp.bfloat16)
+  rhs_nk = jax.ShapeDtypeStruct((3, 24, 16), jnp.bfloat16)
+  offsets = jax.ShapeDtypeStruct((3,), jnp.int32)
+  out = jax.eval_shape(gemm_module._grouped_matmul_ffi, lhs, rhs_nk, offsets)
+  assert (out.shape, out.dtype) == ((40, 24), jnp.bfloat16)
+  assert queries == [dict(dtype="bfloat16", m=40, k=16, n=24, groups=3)]

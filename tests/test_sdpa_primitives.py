@@ -120,3 +120,29 @@ def test_batch_and_head_sharding_stay_local(with_lse):
   hlo = fwd.lower(*args).compile().as_text()
   assert not any(c in hlo for c in ("all-gather", "all-reduce", "all-to-all",
                                     "collective-permute"))
+
+
+def test_ffi_calls_take_a_workspace_result_sized_by_the_extension(monkeypatch):
+  """The handlers' workspace is an extra u8 result sized by ``_ffi.sdpa_workspace`` for the
+  call's own (local) shapes, and the primitives hand back only the real results."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  queries = []
+
+  class FakeModule:
+    @staticmethod
+    def sdpa_workspace(query):
+      queries.append(query)
+      return 3000 if query["backward"] else 0
+
+  monkeypatch.setattr(_extension, "module", FakeModule)
+  q, k, v, bias = _inputs()
+  extras = (bias, Q_LENS, KV_LENS)
+  outs = jax.eval_shape(lambda *a: prim._fwd_ffi(CONFIG, *a), q, k, v, *extras)
+  assert [o.shape for o in outs] == [(B, T, N, H + 8), (B, N, T)]
+  grads = jax.eval_shape(lambda *a: prim._bwd_ffi(CONFIG, *a), q, k, v, outs[0], outs[0],
+                         outs[1], *extras)
+  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, bias.shape]
+  fwd, bwd = queries
+  assert (fwd["backward"], bwd["backward"]) == (False, True)
+  assert {key: fwd[key] for key in ("b", "t", "s", "n", "k", "h", "hv", "bias_b", "bias_n")} == (
+      dict(b=B, t=T, s=S, n=N, k=K, h=H, hv=H + 8, bias_b=1, bias_n=N))

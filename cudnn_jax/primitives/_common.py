@@ -1,10 +1,17 @@
-"""Pieces every FFI-backed primitive shares: batching folds and partition specs."""
+"""Pieces every FFI-backed primitive shares: batching folds, partition specs, and the
+workspace result of the cuDNN handlers."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def workspace_result(size):
+  """The u8 result a cuDNN handler runs its plan in: ``size`` bytes (at least one), sized
+  by the extension's ``*_workspace`` query when the call is lowered."""
+  return jax.ShapeDtypeStruct((max(size, 1),), jnp.uint8)
 
 
 def move_to_front(x, bdim, size):

@@ -73,8 +73,7 @@ def _workspace(config, backward, q, k, v, extras):
   query = config.check_config(
       backward=backward, dtype=jnp.dtype(q.dtype).name, b=b, t=t, s=k.shape[1], n=n,
       k=k.shape[2], h=h, hv=v.shape[3], bias_shape=extras[0].shape if config.has_bias else None)
-  size = _extension.module().sdpa_workspace(query)
-  return jax.ShapeDtypeStruct((max(size, 1),), jnp.uint8)
+  return _common.workspace_result(_extension.module().sdpa_workspace(query))
 
 
 def _fwd_ffi(config, q, k, v, *extras):
