@@ -49,6 +49,12 @@ std::vector<Candidate> built_candidates(const CachedPlan& plan, int limit) {
   return out;
 }
 
+// The candidates the first run chooses among: up to kMaxTunedCandidates per graph when
+// autotuning, else the heuristic's first.
+std::vector<Candidate> tuning_candidates(const CachedPlan& plan) {
+  return built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1);
+}
+
 // cuDNN's workspace: `workspace` rounded up to kWorkspaceAlignment; false when fewer than
 // `size` bytes remain from there.
 bool aligned_workspace(const Workspace& workspace, int64_t size, void** out) {
@@ -111,7 +117,7 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
                        const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
                        std::string_view op) {
   std::vector<Candidate> candidates;
-  for (const Candidate& c : built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1)) {
+  for (const Candidate& c : tuning_candidates(plan)) {
     void* unused;
     if (aligned_workspace(workspace, plan_workspace(*c.graph, c.index), &unused)) {
       candidates.push_back(c);
@@ -218,8 +224,7 @@ int64_t workspace_bound(CachedPlan& plan) {
   std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
   int64_t size = plan.workspace_size;
   if (plan.plan_index < 0) {
-    for (const Candidate& c :
-         built_candidates(plan, autotune_enabled() ? kMaxTunedCandidates : 1)) {
+    for (const Candidate& c : tuning_candidates(plan)) {
       size = std::max(size, plan_workspace(*c.graph, c.index));
     }
   }
