@@ -307,6 +307,7 @@ engines.register_engine("grouped_gemm", "cudnn", supports=_supports_grouped_cudn
 # the bias and the activation or GLU fused into its epilogue.
 
 _CUTE_TILE_M = 128  # the kernel's row tile
+_CUTE_MAX_GROUPS = 1 << 16  # the kernel's group search covers this many
 _GLUS = tuple(epilogue.GLU_ACTIVATION)
 
 
@@ -327,12 +328,14 @@ def _supports_grouped_cute(call: GroupedGemmCall) -> str | None:
       return f"the extension was built without the AOT kernel {variant}"
   if call.k % 8 or call.n % 8:
     return f"K={call.k} and N={call.n} must be multiples of 8 (16-byte rows for TMA)"
+  if call.groups > _CUTE_MAX_GROUPS:
+    return f"{call.groups} groups: the kernel takes at most {_CUTE_MAX_GROUPS}"
   return None
 
 
 def _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
   """The FFI handler: ``epilogue(lhs @ rhs[g] + bias[g])`` ([M, N], lhs's dtype) for the
-  rows of each group; rows past the last group are left unwritten."""
+  rows of each group; rows past the last group are zero."""
   columns = rhs.shape[2] // (2 if epilogue in _GLUS else 1)
   return jax.ffi.ffi_call(
       "cudnn_jax_cute_grouped_gemm",
@@ -348,16 +351,16 @@ def _row_starts(group_sizes, rows):
 
 
 def _cute_kernel(lhs, rhs, group_sizes, bias=None, activation=None, glu=None):
-  """The kernel with its group tables; ``[M, N]`` in lhs's dtype, 0 past the last group."""
+  """The kernel with its group tables; ``[M, N]`` in lhs's dtype, 0 past the last group (the
+  kernel writes those zeros)."""
   zero = jnp.zeros((1,), jnp.int32)
   row_starts = _row_starts(group_sizes, lhs.shape[0])
   tiles = -(-jnp.diff(row_starts) // _CUTE_TILE_M)
   tile_starts = jnp.concatenate([zero, jnp.cumsum(tiles)]).astype(jnp.int32)
   bias = (jnp.zeros(rhs.shape[::2], jnp.float32) if bias is None
           else bias.astype(jnp.float32))
-  out = _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts,
-                               epilogue=glu or activation or "none")
-  return _past_groups_zero(out, group_sizes)
+  return _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts,
+                                epilogue=glu or activation or "none")
 
 
 def _cute_grouped_wgrad_ffi(lhs, ct, row_starts):

@@ -6,7 +6,7 @@
 //   int32, row_starts [G+1] int32 (exclusive cumulative sums of ceil(size/128) and of the
 //   sizes, clamped to M)  ->  out [M,N], lhs's dtype; C = N, or 2N for a GLU.
 //   Attribute epilogue: "none", an activation or a GLU (the kernel's EPILOGUES).
-// Rows past row_starts[G] are left unwritten.
+// Rows past row_starts[G] are set to zero by the kernel.
 //
 // cudnn_jax_cute_grouped_wgrad: its weight gradient on kernels/grouped_wgrad_sm90.py.
 //   lhs [M,K], ct [M,N] (lhs's dtype), row_starts [G+1] int32  ->  out [G,K,N] float32,

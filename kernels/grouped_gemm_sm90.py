@@ -21,7 +21,8 @@ run the epilogue, while the loads of their next tile are already in flight. For 
 the group g satisfies ``tile_starts[g] <= t < tile_starts[g+1]``; its 128 rows start at
 ``row_starts[g] + (t - tile_starts[g]) * TILE_M`` (rows of the next group or past M come
 along and are never stored), and only the rows that belong to g are stored. Rows past
-``sum(sizes)`` are not written (the caller zeroes them).
+``sum(sizes)`` (from ``row_starts[G]`` to M) are set to zero by the three warps of
+warpgroup 0 that issue no loads, while the others multiply.
 """
 
 import cuda.bindings.driver as cuda
@@ -34,6 +35,8 @@ import cutlass.utils.hopper_helpers as sm90
 TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile reads (2 x 128 for a GLU)
 THREADS = 384  # warpgroup 0 loads; warpgroups 1 and 2 multiply, 64 rows each
 MMA_WARPS = 8
+ZERO_WARPS = 3  # warps 1-3: zeros past the last group
+MAX_GROUPS = 1 << 16  # the group search below takes 16 steps
 LOAD_REGS, MMA_REGS = 40, 232  # registers per thread after the warpgroups' setmaxnreg
 SMEM_BYTES = 227 * 1024
 BARRIER_BYTES = 1024
@@ -185,17 +188,51 @@ class GroupedGemm(WarpSpecializedSm90):
   @cute.jit
   def tile_rows(self, tile_starts: cute.Tensor, row_starts: cute.Tensor, row_tile):
     """(group, first row, end row of the group) of a row tile; group = G past the last."""
+    # group = the largest g <= G with tile_starts[g] <= row_tile (tile_starts is sorted and
+    # starts at 0), by bisection on the bits of g.
     groups = cute.size(row_starts, mode=[0]) - 1
     group = cutlass.Int32(0)
-    for g in cutlass.range(groups, unroll=1):
-      if tile_starts[g + 1] <= row_tile:
-        group = g + 1
+    for i in cutlass.range_constexpr(MAX_GROUPS.bit_length() - 1):
+      step = MAX_GROUPS >> (i + 1)
+      if group + step <= groups:
+        if tile_starts[group + step] <= row_tile:
+          group = group + step
     row_start = cutlass.Int32(0)
     row_end = cutlass.Int32(0)
     if group < groups:
       row_start = row_starts[group] + (row_tile - tile_starts[group]) * TILE_M
       row_end = row_starts[group + 1]
     return group, row_start, row_end
+
+  @cute.jit
+  def zero_tail(self, mC: cute.Tensor, row_starts: cute.Tensor, thread, cta, ctas):
+    """Rows ``row_starts[G]`` to M of ``mC`` set to zero, in (rows, EPI_N) tiles of 16-byte
+    row vectors, the tiles walked by ``thread`` of the ZERO_WARPS of every CTA."""
+    first = row_starts[cute.size(row_starts, mode=[0]) - 1]
+    m, n = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
+    vector = STORE_BITS // self.dtype.width
+    row_threads = EPI_N // vector
+    rows = ZERO_WARPS * 32 // row_threads
+    z2g = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                            num_bits_per_copy=STORE_BITS),
+        cute.make_layout((rows, row_threads), stride=(row_threads, 1)),
+        cute.make_layout((1, vector)))
+    thr = z2g.get_slice(thread)
+    tZcZ = thr.partition_D(cute.make_identity_tensor((rows, EPI_N)))
+    col_tiles = (n + EPI_N - 1) // EPI_N
+    row_tiles = (m - first + rows - 1) // rows
+    for t in cutlass.range(cta, row_tiles * col_tiles, ctas, unroll=1):
+      row_tile = t // col_tiles
+      col_tile = t - row_tile * col_tiles
+      row_start = first + row_tile * rows
+      tZgZ = thr.partition_D(cute.local_tile(cute.domain_offset((row_start, 0, 0), mC),
+                                             (rows, EPI_N), (0, col_tile, 0)))
+      zeros = cute.make_rmem_tensor_like(tZgZ[(None, 0, 0)])
+      zeros.fill(0.0)
+      coord = tZcZ[(0, 0, 0)]
+      if row_start + coord[0] < m and col_tile * EPI_N + coord[1] < n:
+        cute.copy(z2g, zeros, tZgZ[(None, 0, 0)])
 
   @cute.kernel
   def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
@@ -249,6 +286,8 @@ class GroupedGemm(WarpSpecializedSm90):
             loads.producer_commit(produce)
             produce.advance()
         loads.producer_tail(produce)
+      else:
+        self.zero_tail(mC, row_starts, tidx - 32, cta, ctas)
     else:
       # Multiply-accumulate and epilogue: warpgroups 1 and 2, 64 rows of the tile each.
       cute.arch.setmaxregister_increase(MMA_REGS)
