@@ -2,8 +2,8 @@
 
 Everything those engines do in JAX around their FFI calls (group tables, the custom VJPs,
 the fused/unfused split, routing) runs here on the CPU, against the xla engine. The
-emulated kernels follow the handlers' contracts, including leaving the rows past the last
-group unwritten (NaN here), so a caller that forgets to zero them fails.
+emulated kernels follow the handlers' contracts: the cute kernel writes zeros past the last
+group; cuDNN's node leaves those rows to the caller.
 """
 
 import importlib
