@@ -4,7 +4,9 @@
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
-beta), median ms of single jitted calls. When ``torch`` and ``fla`` import (``from
+beta), median ms of single jitted calls, then "b2b": 10 calls issued back to back with
+one wait (JAX) or between two CUDA events (FLA), per call, the throughput of a training
+loop without each call's launch-and-wait latency. When ``torch`` and ``fla`` import (``from
 fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (CUDA
 tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
@@ -37,11 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import (error_text, load_torch, profile_scopes, rel_diff, time_calls,
-                     torch_time_ms, write_results)
+from harness import (error_text, load_torch, profile_scopes, rel_diff, time_back_to_back,
+                     time_calls, torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 10
+B2B_CALLS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +86,11 @@ def jitted(x, backward, chunk_size=64):
 
 
 def ours(x, backward):
-  """(ms, forward output or None) for cudnn_jax.kda on ENGINE."""
+  """(ms, back-to-back ms, forward output or None) for cudnn_jax.kda on ENGINE."""
   fn, args = jitted(x, backward)
-  return 1e3 * time_calls(fn, args, CALLS, WARMUP), None if backward else fn(*args)
+  return (1e3 * time_calls(fn, args, CALLS, WARMUP),
+          1e3 * time_back_to_back(fn, args, B2B_CALLS, WARMUP),
+          None if backward else fn(*args))
 
 
 # The engine's jax.named_scope stages (cudnn_jax/reference/kda.py).
@@ -133,8 +138,9 @@ def fla(torch, chunk_kda, x, backward):
     return o
 
   ms = torch_time_ms(torch, step, CALLS, WARMUP)
+  ms_b2b = torch_time_ms(torch, step, 3, WARMUP, chained=B2B_CALLS)
   out = None if backward else step().detach().float().cpu().numpy()
-  return ms, out
+  return ms, ms_b2b, out
 
 
 def run(shapes, anchor, passes=(False, True)):
@@ -144,14 +150,15 @@ def run(shapes, anchor, passes=(False, True)):
     for backward in passes:
       row = dict(dataclasses.asdict(shape), backward=backward)
       try:
-        row["ms"], out = ours(x, backward)
+        row["ms"], row["ms_b2b"], out = ours(x, backward)
       except Exception as e:  # pylint: disable=broad-except
         row["error"], out = error_text(e), None
       if anchor[0] is not None:
         try:
-          row["fla_ms"], fla_out = fla(*anchor, x, backward)
+          row["fla_ms"], row["fla_ms_b2b"], fla_out = fla(*anchor, x, backward)
           if row.get("ms"):
             row["fla_speedup"] = row["ms"] / row["fla_ms"]  # > 1: FLA is faster
+            row["fla_speedup_b2b"] = row["ms_b2b"] / row["fla_ms_b2b"]
           if out is not None:
             row["rel_diff_vs_fla"] = rel_diff(out, fla_out)
         except Exception as e:  # pylint: disable=broad-except
@@ -163,7 +170,8 @@ def run(shapes, anchor, passes=(False, True)):
 
 
 HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'cudnn_jax ms':>13} "
-          f"{'FLA ms':>9} {'ratio':>6} {'rel diff':>9}")
+          f"{'FLA ms':>9} {'ratio':>6} {'b2b ms':>8} {'FLA b2b':>8} {'ratio':>6} "
+          f"{'rel diff':>9}")
 
 
 def print_row(r):
@@ -171,7 +179,8 @@ def print_row(r):
   pass_ = "fwd+bwd" if r["backward"] else "fwd"
   line = (f"{r['b']:>3} {r['t']:>6} {r['h']:>3} {r['k']:>4} {r['v']:>4} {pass_:>8} "
           f"{f('ms', '.3f'):>13} {f('fla_ms', '.3f'):>9} {f('fla_speedup', '.2f'):>6} "
-          f"{f('rel_diff_vs_fla', '.1e'):>9}")
+          f"{f('ms_b2b', '.3f'):>8} {f('fla_ms_b2b', '.3f'):>8} "
+          f"{f('fla_speedup_b2b', '.2f'):>6} {f('rel_diff_vs_fla', '.1e'):>9}")
   note = r.get("error") or r.get("fla_error")
   print(line + (f"  ({note})" if note else ""), flush=True)
 
