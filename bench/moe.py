@@ -16,7 +16,8 @@ On a GPU, bfloat16:
 Each row: the median wall time of 20 jitted calls (block_until_ready around each) after
 warm-up, and TFLOP/s; then "b2b": 20 calls issued back to back with one wait at the end
 (best of three), the device throughput a model sees, without each call's launch and wait
-latency (about 0.1 ms, which is 10% of a 1 ms GEMM); only for calls under 10 ms. With --quick: tiny shapes (float32 on CPU), a smoke test.
+latency (about 0.1 ms, which is 10% of a 1 ms GEMM); only for calls under 10 ms.
+With --quick: tiny shapes (float32 on CPU), a smoke test.
 Writes DIR/moe.json (DIR defaults to bench/results).
 """
 
