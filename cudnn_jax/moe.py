@@ -128,8 +128,8 @@ engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_x
 
 # GPU engines: the grouped GEMM engines of the same name run both projections, opt-in where
 # those are ("cudnn"). "cute" serves by default: an H200 runs the forward+backward of T=16384
-# D=4096 F=2048 E=64 top-4 in 32 ms, where the xla engine's lax.ragged_dot gradients run out
-# of memory (they ask for about 100 GiB).
+# D=4096 F=2048 E=64 top-4 in 30 ms; the same layer on lax.ragged_dot takes 916 ms with 0.95
+# of the GPU's memory and runs out of it with JAX's default 0.75 (it asks for about 100 GiB).
 
 
 def _projections(call: MoeCall):
