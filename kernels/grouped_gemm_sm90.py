@@ -15,7 +15,7 @@ hold the same (row, column) in the same registers, so the product needs no data 
 
 Persistent and warp-specialized: ``ctas`` CTAs (at most one per SM) walk the output tiles
 ``(t, j)`` (row tile t, column tile j; ``tile_starts[G] * ceil(N / tile width)`` of them,
-read on the device) in steps of ``ctas``. Warpgroup 0 loads (one thread issues the TMA
+read on the device) in steps of ``ctas``, in bands of row tiles (``tile_coords``). Warpgroup 0 loads (one thread issues the TMA
 copies into a ring of shared-memory stages); warpgroups 1 and 2 multiply 64 rows each and
 run the epilogue, while the loads of their next tile are already in flight. For row tile t
 the group g satisfies ``tile_starts[g] <= t < tile_starts[g+1]``; its 128 rows start at
@@ -45,6 +45,11 @@ BARRIER_BYTES = 1024
 EPI_N = 64
 EPI_BUFFERS = 2
 STORE_BITS = 128
+# Tiles are walked in bands of row tiles, column by column inside a band, so that the CTAs
+# of one wave share a few B column tiles and a band of A that stays in L2 (row by row, a
+# wave would read all of a wide B: 64 MB at N=8192, K=4096, more than the 50 MB L2).
+BAND_BYTES = 16 << 20  # the A band's size at most
+BAND_ROWS = 16  # row tiles per band at most
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "srelu")  # as cudnn_jax.epilogue
 GLU_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
@@ -205,6 +210,16 @@ class GroupedGemm(WarpSpecializedSm90):
     return group, row_start, row_end
 
   @cute.jit
+  def tile_coords(self, tile, row_tiles, col_tiles, band):
+    """(row tile, column tile) of the tile-th tile: bands of ``band`` row tiles one after the
+    other, each walked column by column (the last band may have fewer rows)."""
+    band_tiles = band * col_tiles
+    first_row = (tile // band_tiles) * band
+    rows = cutlass.min(band, row_tiles - first_row)
+    local = tile - first_row * col_tiles
+    return first_row + local % rows, local // rows
+
+  @cute.jit
   def zero_tail(self, mC: cute.Tensor, row_starts: cute.Tensor, thread, cta, ctas):
     """Rows ``row_starts[G]`` to M of ``mC`` set to zero, in (rows, EPI_N) tiles of 16-byte
     row vectors, the tiles walked by ``thread`` of the ZERO_WARPS of every CTA."""
@@ -248,8 +263,12 @@ class GroupedGemm(WarpSpecializedSm90):
     n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
     tile_n = self.tile_mnk[1]
     col_tiles = (n + tile_n - 1) // tile_n
-    tiles = tile_starts[cute.size(tile_starts, mode=[0]) - 1] * col_tiles
-    k_tiles = (cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2]
+    row_tiles = tile_starts[cute.size(tile_starts, mode=[0]) - 1]
+    tiles = row_tiles * col_tiles
+    k = cute.size(mA, mode=[1])
+    band = cutlass.max(1, cutlass.min(BAND_ROWS,
+                                      BAND_BYTES // (TILE_M * k * (self.dtype.width // 8))))
+    k_tiles = (k + self.tile_mnk[2] - 1) // self.tile_mnk[2]
     warpgroup = cute.arch.make_warp_uniform(tidx // 128)
 
     if warpgroup == 0:
@@ -259,8 +278,7 @@ class GroupedGemm(WarpSpecializedSm90):
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.stages)
         for tile in cutlass.range(cta, tiles, ctas, unroll=1):
-          row_tile = tile // col_tiles
-          col_tile = tile - row_tile * col_tiles
+          row_tile, col_tile = self.tile_coords(tile, row_tiles, col_tiles, band)
           group, row_start, _ = self.tile_rows(tile_starts, row_starts, row_tile)
           gA = cute.local_tile(cute.domain_offset((row_start, 0, 0), mA), self.tile_mnk,
                                (0, col_tile, None, 0), proj=(1, None, 1))
@@ -328,8 +346,7 @@ class GroupedGemm(WarpSpecializedSm90):
       consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
       for tile in cutlass.range(cta, tiles, ctas, unroll=1):
-        row_tile = tile // col_tiles
-        col_tile = tile - row_tile * col_tiles
+        row_tile, col_tile = self.tile_coords(tile, row_tiles, col_tiles, band)
         group, row_start, row_end = self.tile_rows(tile_starts, row_starts, row_tile)
         for h in cutlass.range_constexpr(self.halves):
           accs[h].fill(0.0)
