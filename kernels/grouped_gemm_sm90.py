@@ -9,9 +9,12 @@ Layouts (CuTe mode order, ``L`` the batch mode); C = N, or 2N for a GLU:
   ``tile_starts [G+1]`` int32, the exclusive cumulative sum of ``ceil(size_g / TILE_M)``;
   ``row_starts [G+1]`` int32, the exclusive cumulative sum of the group sizes.
 
-A GLU tile computes 128 output columns: the gate columns ``[j*128, j*128+128)`` and the
-matching up columns ``N + [j*128, ...)`` as two 128-wide MMAs into two accumulators that
-hold the same (row, column) in the same registers, so the product needs no data movement.
+A GLU tile computes 128 output columns from 256 columns of B: the gate columns
+``[j*128, j*128+128)`` and the matching up columns ``N + [j*128, ...)``, loaded by two TMA
+copies side by side into one 256-wide stage, so that one 256-wide MMA multiplies both (as
+wide as a plain tile's: two 128-wide MMAs would read A from shared memory twice). A
+thread's accumulator holds a gate column and its up column 128 apart, in its first and
+second half, so the product needs no data movement.
 
 Persistent and warp-specialized: ``ctas`` CTAs (at most one per SM) walk the output tiles
 ``(t, j)`` (row tile t, column tile j; ``tile_starts[G] * ceil(N / tile width)`` of them,
@@ -32,7 +35,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
-TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile reads (2 x 128 for a GLU)
+TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile multiplies (2 x 128 for a GLU)
 THREADS = 384  # warpgroup 0 loads; warpgroups 1 and 2 multiply, 64 rows each
 MMA_WARPS = 8
 ZERO_WARPS = 3  # warps 1-3: zeros past the last group
@@ -74,8 +77,9 @@ def _activate(x, name):
 class WarpSpecializedSm90:
   """What the grouped GEMM kernels share (this one and grouped_wgrad_sm90.py): a 128-row
   tile split between two MMA warpgroups, a ring of TMA-fed shared-memory stages, and one
-  loader warpgroup. Subclasses set ``dtype``, ``acc_dtype`` and ``halves`` (B blocks per
-  stage). Helpers without control flow on device values are plain Python."""
+  loader warpgroup. Subclasses set ``dtype``, ``acc_dtype`` and ``halves`` (the TMA copies
+  that fill a stage's B tile side by side). Helpers without control flow on device values
+  are plain Python."""
 
   halves = 1
   epi_smem = None  # the output staging buffers' layout, for kernels that stage the output
@@ -91,19 +95,24 @@ class WarpSpecializedSm90:
         self.acc_dtype, (2, 1, 1), tiler_mn=(64, tile_n))
     tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
     self.tile_mnk = (TILE_M, tile_n, tile_k)
-    stage_bytes = (TILE_M + self.halves * tile_n) * tile_k * self.dtype.width // 8
+    stage_bytes = (TILE_M + tile_n) * tile_k * self.dtype.width // 8
     epi_elems = 64 if self.epi_smem is None else cute.cosize(self.epi_smem)
     epi_bytes = epi_elems * self.dtype.width // 8
     self.stages = (SMEM_BYTES - BARRIER_BYTES - epi_bytes) // stage_bytes
     self.a_smem = sm90.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.stages)
-    # B's slots: stage s holds its halves at s * halves + h.
-    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype,
-                                          self.stages * self.halves)
+    # B as the MMAs read it, and as the TMA copies fill it: slot s * halves + h is half h of
+    # stage s. Tiled in the same order (K first for an N-major B), the slots of a stage
+    # are its tile's halves, so both layouts address one buffer.
+    self.b_smem = sm90.make_smem_layout_b(b_major, self.tile_mnk, self.dtype, self.stages)
+    self.slot_mnk = (TILE_M, tile_n // self.halves, tile_k)
+    self.b_slots = sm90.make_smem_layout_b(b_major, self.slot_mnk, self.dtype,
+                                           self.stages * self.halves)
+    assert cute.cosize(self.b_slots) == cute.cosize(self.b_smem)
     g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
     tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
         g2s, lhs, cute.slice_(self.a_smem, (None, None, 0)), (TILE_M, tile_k))
     tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-        g2s, rhs, cute.slice_(self.b_smem, (None, None, 0)), (tile_n, tile_k))
+        g2s, rhs, cute.slice_(self.b_slots, (None, None, 0)), self.slot_mnk[1:])
 
     @cute.struct
     class Storage:
@@ -128,8 +137,7 @@ class WarpSpecializedSm90:
     self.prefetch_descriptors(tma_a, tma_b)
     storage = cutlass.utils.SmemAllocator().allocate(self.storage)
     stage_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(a_smem, (None, None, 0)))
-                   + self.halves
-                   * cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
+                   + cute.size_in_bytes(self.dtype, cute.slice_(b_smem, (None, None, 0))))
     loads = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -141,15 +149,14 @@ class WarpSpecializedSm90:
     return (loads, storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner),
             storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner), storage)
 
-  def mma_k_tile(self, tiled_mma: cute.TiledMma, accs, tCrA, tCrB, stage):
-    """Issues one K tile's MMAs from ``stage`` (accumulator h against B slot
-    ``stage * len(accs) + h``), then waits for the previous K tile's MMAs: one K tile's
-    MMAs run while the next are issued, so the caller may release the previous stage."""
+  def mma_k_tile(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, stage):
+    """Issues one K tile's MMAs from ``stage``, then waits for the previous K tile's MMAs:
+    one K tile's MMAs run while the next are issued, so the caller may release the
+    previous stage."""
     cute.nvgpu.warpgroup.fence()
-    for h, acc in enumerate(accs):
-      for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled
-        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)],
-                  tCrB[(None, None, kb, stage * len(accs) + h)], acc)
+    for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled
+      cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                acc)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(1)
 
@@ -185,9 +192,10 @@ class GroupedGemm(WarpSpecializedSm90):
                stream: cuda.CUstream):
     self.epi_smem = sm90.make_smem_layout_epi(self.dtype, utils.LayoutEnum.ROW_MAJOR,
                                               (TILE_M, EPI_N), EPI_BUFFERS)
-    (tma_a, tma_lhs), (tma_b, tma_rhs) = self.setup(lhs, rhs, TILE_N // self.halves)
+    (tma_a, tma_lhs), (tma_b, tma_rhs) = self.setup(lhs, rhs, TILE_N)
     self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, bias, out, tile_starts, row_starts,
-                self.tiled_mma, self.a_smem, self.b_smem, self.epi_smem).launch(
+                self.tiled_mma, self.a_smem, self.b_smem, self.b_slots,
+                self.epi_smem).launch(
                     grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
   @cute.jit
@@ -254,15 +262,16 @@ class GroupedGemm(WarpSpecializedSm90):
              mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor, tile_starts: cute.Tensor,
              row_starts: cute.Tensor, tiled_mma: cute.TiledMma,
              a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-             epi_smem: cute.ComposedLayout):
+             b_slots: cute.ComposedLayout, epi_smem: cute.ComposedLayout):
     tidx, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     loads, sA, sB, storage = self.shared_stages(tma_a, tma_b, a_smem, b_smem)
+    sB_slots = storage.b.get_tensor(b_slots.outer, swizzle=b_slots.inner)
     n = cute.size(mC, mode=[1])  # output columns; B's half h starts at column h * n
-    tile_n = self.tile_mnk[1]
-    col_tiles = (n + tile_n - 1) // tile_n
+    out_n = self.slot_mnk[1]  # output columns of a tile
+    col_tiles = (n + out_n - 1) // out_n
     row_tiles = tile_starts[cute.size(tile_starts, mode=[0]) - 1]
     tiles = row_tiles * col_tiles
     k = cute.size(mA, mode=[1])
@@ -287,10 +296,10 @@ class GroupedGemm(WarpSpecializedSm90):
               cute.group_modes(gA, 0, 2))
           tBgB = []
           for h in cutlass.range_constexpr(self.halves):
-            gB = cute.local_tile(cute.domain_offset((h * n, 0, 0), mB), self.tile_mnk,
+            gB = cute.local_tile(cute.domain_offset((h * n, 0, 0), mB), self.slot_mnk,
                                  (0, col_tile, None, group), proj=(None, 1, 1))
             tBsB, tBgB_h = cute.nvgpu.cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB_slots, 0, 2),
                 cute.group_modes(gB, 0, 2))
             tBgB.append(tBgB_h)
           for k in cutlass.range(k_tiles, unroll=1):
@@ -310,13 +319,14 @@ class GroupedGemm(WarpSpecializedSm90):
       # Multiply-accumulate and epilogue: warpgroups 1 and 2, 64 rows of the tile each.
       cute.arch.setmaxregister_increase(MMA_REGS)
       tCrA, tCrB, thr_c = self.mma_fragments(tiled_mma, sA, sB, tidx, warpgroup)
-      tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))
-      accs = []
-      for h in cutlass.range_constexpr(self.halves):
-        accs.append(cute.make_rmem_tensor(tCcC.shape, self.acc_dtype))
+      tCcC = thr_c.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
+      acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+      # A thread's values run over the MMA's 8-column blocks last, so a GLU's gate half
+      # (the tile's first 128 columns) is the first half of acc, its up half the second.
+      half = cute.size(acc) // self.halves
       tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc += A B throughout
 
-      # The epilogue's two copies: accumulator registers (accs[0], after the epilogue
+      # The epilogue's two copies: accumulator registers (acc, after the epilogue
       # math) to a shared-memory piece by stmatrix, then the piece to global memory as
       # 16-byte row vectors, skipping the rows past the group and the columns past N.
       sC = storage.c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
@@ -327,7 +337,7 @@ class GroupedGemm(WarpSpecializedSm90):
               tiled_mma))
       thr_r2s = r2s.get_slice(tidx - 128)
       tRS_sC = thr_r2s.partition_D(sC)
-      tRS_acc = r2s.retile(accs[0])
+      tRS_acc = r2s.retile(acc)
       piece = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], self.dtype)
       vector = STORE_BITS // self.dtype.width
       row_threads = EPI_N // vector
@@ -340,7 +350,7 @@ class GroupedGemm(WarpSpecializedSm90):
       thr_s2g = s2g.get_slice(tidx - 128)
       tSG_sC = thr_s2g.partition_S(sC)
       tSG_cC = thr_s2g.partition_D(cute.make_identity_tensor((TILE_M, EPI_N)))
-      pieces = tile_n // EPI_N
+      pieces = out_n // EPI_N
       piece_written = pipeline.NamedBarrier(barrier_id=1, num_threads=MMA_WARPS * 32)
 
       consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -348,12 +358,11 @@ class GroupedGemm(WarpSpecializedSm90):
       for tile in cutlass.range(cta, tiles, ctas, unroll=1):
         row_tile, col_tile = self.tile_coords(tile, row_tiles, col_tiles, band)
         group, row_start, row_end = self.tile_rows(tile_starts, row_starts, row_tile)
-        for h in cutlass.range_constexpr(self.halves):
-          accs[h].fill(0.0)
+        acc.fill(0.0)
         # A stage is released once the MMAs reading it are known complete.
         for k in cutlass.range(k_tiles, unroll=1):
           loads.consumer_wait(consume)
-          self.mma_k_tile(tiled_mma, accs, tCrA, tCrB, consume.index)
+          self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, consume.index)
           if k > 0:
             loads.consumer_release(release)
             release.advance()
@@ -363,13 +372,13 @@ class GroupedGemm(WarpSpecializedSm90):
         release.advance()
 
         # Epilogue, in float32 in place: bias, activation or GLU.
-        for i in cutlass.range_constexpr(cute.size(accs[0])):
-          col = col_tile * tile_n + tCcC[i][1]
+        for i in cutlass.range_constexpr(half):
+          col = col_tile * out_n + tCcC[i][1]
           if col < n:
-            y = _activate(accs[0][i] + mBias[col, group], self.activation)
+            y = _activate(acc[i] + mBias[col, group], self.activation)
             if cutlass.const_expr(self.glu):
-              y = y * (accs[1][i] + mBias[n + col, group])
-            accs[0][i] = y
+              y = y * (acc[i + half] + mBias[n + col, group])
+            acc[i] = y
         # Then out, piece by piece, through the two shared-memory buffers in turn: the
         # barrier after a piece's stmatrix also tells that every thread has finished
         # storing the piece before (the other buffer), so one barrier a piece suffices.
@@ -382,7 +391,7 @@ class GroupedGemm(WarpSpecializedSm90):
           piece_written.arrive_and_wait()
           tSG_gC = thr_s2g.partition_D(
               cute.local_tile(out_rows, (TILE_M, EPI_N), (0, col_tile * pieces + e, 0)))
-          col_start = col_tile * tile_n + e * EPI_N
+          col_start = col_tile * out_n + e * EPI_N
           for i in cutlass.range(cute.size(tSG_gC, mode=[1]), unroll=1):
             for j in cutlass.range_constexpr(cute.size(tSG_gC, mode=[2])):
               coord = tSG_cC[(0, i, j)]

@@ -101,7 +101,7 @@ class GroupedWgrad(WarpSpecializedSm90):
               sB[(e - r * TILE_N, r, consume.index)] = self.dtype(0.0)
           cute.arch.fence_proxy("async.shared", space="cta")
           cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        self.mma_k_tile(tiled_mma, [acc], tCrA, tCrB, consume.index)
+        self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, consume.index)
         if k > 0:
           loads.consumer_release(release)
           release.advance()
