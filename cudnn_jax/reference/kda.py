@@ -159,34 +159,65 @@ def _cross_cols(W, x, G, n, h, dt):
   return jnp.concatenate(out, axis=-2).reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _strict_pair(x, y, G, dt):
-  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G."""
-  return sum(_cross(x, y, G, n, h, dt) for n, h in _levels(G.shape[-2]))
+class PairLeaves(NamedTuple):
+  """The strict pair sums within each block of the hierarchy's first level (16 tokens at
+  C = 64): ``fwd(x, y, G, dt) -> M [..., n, n]`` for x, y, G ``[..., n, K]``, and its
+  gradient ``bwd(dM, x, y, G, dt) -> (dx, dy)`` (G's follows: ``x dx - y dy``)."""
+  fwd: object
+  bwd: object
 
 
-def _strict_pair_fwd(x, y, G, dt):
-  return _strict_pair(x, y, G, dt), (x, y, G)
-
-
-def _strict_pair_bwd(dt, res, dM):
-  x, y, G = res
+def _leaf_pairs(x, y, G, dt):
+  """``PairLeaves.fwd`` by the rest of the hierarchy (e.g. 16 -> 4 -> 1 tokens)."""
   levels = _levels(G.shape[-2])
-  dx = sum(_cross_rows(dM, y, G, n, h, dt) for n, h in levels)
-  dy = sum(_cross_cols(dM, x, G, n, h, dt) for n, h in levels)
+  if not levels:  # one-token blocks: no pairs
+    return jnp.zeros(G.shape[:-1] + G.shape[-2:-1], jnp.float32)
+  return sum(_cross(x, y, G, n, h, dt) for n, h in levels)
+
+
+def _leaf_pairs_bwd(dM, x, y, G, dt):
+  levels = _levels(G.shape[-2])
+  if not levels:
+    return jnp.zeros_like(x), jnp.zeros_like(y)
+  return (sum(_cross_rows(dM, y, G, n, h, dt) for n, h in levels),
+          sum(_cross_cols(dM, x, G, n, h, dt) for n, h in levels))
+
+
+XLA_LEAVES = PairLeaves(fwd=_leaf_pairs, bwd=_leaf_pairs_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _strict_pair(x, y, G, dt, leaves):
+  """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G: the
+  first level of the hierarchy, then ``leaves`` within its sub-blocks."""
+  n, h = _levels(G.shape[-2])[0]
+  inner = leaves.fwd(*(_blocks(z, h) for z in (x, y, G)), dt)
+  return _cross(x, y, G, n, h, dt) + _block_diagonal(inner)
+
+
+def _strict_pair_fwd(x, y, G, dt, leaves):
+  return _strict_pair(x, y, G, dt, leaves), (x, y, G)
+
+
+def _strict_pair_bwd(dt, leaves, res, dM):
+  x, y, G = res
+  n, h = _levels(G.shape[-2])[0]
+  dx_in, dy_in = leaves.bwd(_diagonal_blocks(dM, h), *(_blocks(z, h) for z in (x, y, G)), dt)
+  dx = _cross_rows(dM, y, G, n, h, dt) + dx_in.reshape(x.shape)
+  dy = _cross_cols(dM, x, G, n, h, dt) + dy_in.reshape(y.shape)
   return dx, dy, x * dx - y * dy  # G enters as +G_t and -G_s
 
 
 _strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
 
 
-def _pair(x, y, G, dt, diagonal):
+def _pair(x, y, G, dt, diagonal, leaves=XLA_LEAVES):
   """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t (s <= t if diagonal)."""
   c = G.shape[-2]
   if G.shape[-1] == 1:  # scalar gate: the decay factors out of the sum
     keep = _causal(c, strict=not diagonal)
     return _mm(x, y.mT, dt) * jnp.exp(jnp.where(keep, G - G.mT, -jnp.inf))  # masked first
-  M = _strict_pair(x, y, G, dt)
+  M = _strict_pair(x, y, G, dt, leaves)
   if diagonal:
     M = M + jnp.eye(c, dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
   return M
@@ -250,13 +281,15 @@ class Intra(NamedTuple):
 
 
 @jax.named_scope("kda_intra")  # scopes name the stages in profiles
-def _intra(q, k, v, G, b, dt):
-  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype."""
+def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES):
+  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype;
+  ``leaves`` the pair sums within the first level's sub-blocks."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, diagonal=False)
+  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, False, leaves)
   wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
-  w, U, P = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:], _pair(q, k, G, dt, diagonal=True)
+  w, U = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:]
+  P = _pair(q, k, G, dt, True, leaves)
   return Intra(w=w, U=U, P=P, qg=q * eG, kd=k * jnp.exp(G[..., -1:, :] - G),
                dec=jnp.exp(G[..., -1, :]))
 
@@ -311,18 +344,21 @@ def _state_scan(it: Intra, init, seg, dt):
 
 
 class FusedKernels(NamedTuple):
-  """Kernels that replace stages of the forward pass (None: the stage runs in XLA).
+  """Kernels that replace stages (None: the stage runs in XLA).
 
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
-  state recurrence and the outputs, one sequence per batch row (not for packed sequences).
+  state recurrence and the outputs of the forward pass, one sequence per batch row (not
+  for packed sequences). ``pair_leaves``: ``PairLeaves`` for the pair sums within 16-token
+  sub-blocks, forward and backward.
   """
   scan_output: object = None
+  pair_leaves: PairLeaves = XLA_LEAVES
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
   fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  it = _intra(q, k, v, G, beta, dt)
+  it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
                                     precision=matmul_precision(dt))
@@ -340,19 +376,19 @@ def chunked(dt, fused, q, k, v, g, beta, init, seg):
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; g [NC,B,HV,C,Kg]; beta [NC,B,HV,C,1];
   init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
-  dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels`` for
-  stages of the forward (the backward recomputes in XLA).
+  dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels`` (the
+  backward recomputes in XLA, but for the pair leaves).
   """
   return _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg)[0]
 
 
 def _chunked_bwd(dt, fused, res, cts):
-  del fused  # the backward differentiates the XLA form
+  fused = fused or FusedKernels()  # of its kernels, the backward uses the pair leaves
   q, k, v, g, beta, init, seg, S = res
   do, dfinal = cts
   prec = matmul_precision(dt)
   G = _chunk_cumsum(g)
-  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt), q, k, v, G, beta)
+  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
@@ -459,8 +495,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
 
   Validated inputs: q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] or, for a scalar gate,
   [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; cu_seqlens [N+1] or None.
-  ``fused``: None, or ``FusedKernels`` replacing stages of the forward pass; the backward
-  recomputes in XLA either way.
+  ``fused``: None, or ``FusedKernels`` replacing stages (see there).
   """
   b, t, h, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
