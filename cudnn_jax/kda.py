@@ -217,12 +217,15 @@ for _op in ("kda", "gdn"):
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cute", our own GPU kernels: for now the xla engine with its forward's state recurrence and
-# outputs fused into one Pallas kernel compiled by XLA through Triton, one program per
-# sequence, head and 64 value columns (pallas/kda_scan.py; packed sequences keep the XLA
-# scan): 0.8 ms on an H200 at B=8 T=4096 H=16 K=V=128, where the XLA scan and output
-# stages take 2.6 ms (whole forward 6.9 ms). The backward is the xla engine's. Opt-in while
-# its forward+backward has not been timed beside the xla engine's in one run.
+# "cute", our own GPU kernels: for now the xla engine with two stages as Pallas kernels
+# compiled by XLA through Triton. The forward's state recurrence and outputs run as one
+# kernel, one program per sequence, head and 64 value columns (pallas/kda_scan.py; packed
+# sequences keep the XLA scan): 0.8 ms on an H200 at B=8 T=4096 H=16 K=V=128, where the
+# XLA scan and output stages take 2.6 ms (whole forward 6.6 ms, forward+backward 21.7,
+# before the pair kernels below).
+# The pair sums within 16-token sub-blocks, forward and backward, run as one program per
+# sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products.
+# Opt-in until its forward+backward is timed beside the xla engine's in one run.
 
 
 def _supports_fused(call: KdaCall) -> str | None:
@@ -236,9 +239,10 @@ def _supports_fused(call: KdaCall) -> str | None:
 
 
 def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.pallas import kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.pallas import kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
-  return _run_xla(call, x, fused=ref.FusedKernels(scan_output=kda_scan.scan_output))
+  return _run_xla(call, x, fused=ref.FusedKernels(scan_output=kda_scan.scan_output,
+                                                  pair_leaves=kda_pairs.LEAVES))
 
 
 engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused, opt_in=True)
