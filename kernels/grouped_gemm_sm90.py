@@ -18,8 +18,9 @@ second half, so the product needs no data movement.
 
 Persistent and warp-specialized: ``ctas`` CTAs (at most one per SM) walk the output tiles
 ``(t, j)`` (row tile t, column tile j; ``tile_starts[G] * ceil(N / tile width)`` of them,
-read on the device) in steps of ``ctas``, in bands of row tiles (``tile_coords``). Warpgroup 0 loads (one thread issues the TMA
-copies into a ring of shared-memory stages); warpgroups 1 and 2 multiply 64 rows each and
+read on the device) in steps of ``ctas``, in bands of row tiles (``tile_coords``).
+Warpgroup 0 loads (one thread issues the TMA copies into a ring of shared-memory
+stages); warpgroups 1 and 2 multiply 64 rows each and
 run the epilogue, while the loads of their next tile are already in flight. For row tile t
 the group g satisfies ``tile_starts[g] <= t < tile_starts[g+1]``; its 128 rows start at
 ``row_starts[g] + (t - tile_starts[g]) * TILE_M`` (rows of the next group or past M come
@@ -275,10 +276,10 @@ class GroupedGemm(WarpSpecializedSm90):
     col_tiles = (n + out_n - 1) // out_n
     row_tiles = tile_starts[cute.size(tile_starts, mode=[0]) - 1]
     tiles = row_tiles * col_tiles
-    k = cute.size(mA, mode=[1])
-    band = cutlass.max(1, cutlass.min(BAND_ROWS,
-                                      BAND_BYTES // (TILE_M * k * (self.dtype.width // 8))))
-    k_tiles = (k + self.tile_mnk[2] - 1) // self.tile_mnk[2]
+    k_dim = cute.size(mA, mode=[1])
+    band = cutlass.max(1, cutlass.min(
+        BAND_ROWS, BAND_BYTES // (TILE_M * k_dim * (self.dtype.width // 8))))
+    k_tiles = (k_dim + self.tile_mnk[2] - 1) // self.tile_mnk[2]
     warpgroup = cute.arch.make_warp_uniform(tidx // 128)
 
     if warpgroup == 0:
