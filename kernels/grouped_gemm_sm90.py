@@ -19,14 +19,14 @@ second half, so the product needs no data movement.
 Persistent and warp-specialized: ``ctas`` CTAs (at most one per SM) walk the output tiles
 ``(t, j)`` (row tile t, column tile j; ``tile_starts[G] * ceil(N / tile width)`` of them,
 read on the device) in steps of ``ctas``, in bands of row tiles (``tile_coords``).
-Warpgroup 0 loads (one thread issues the TMA copies into a ring of shared-memory
-stages); warpgroups 1 and 2 multiply 64 rows each and
-run the epilogue, while the loads of their next tile are already in flight. For row tile t
-the group g satisfies ``tile_starts[g] <= t < tile_starts[g+1]``; its 128 rows start at
-``row_starts[g] + (t - tile_starts[g]) * TILE_M`` (rows of the next group or past M come
-along and are never stored), and only the rows that belong to g are stored. Rows past
-``sum(sizes)`` (from ``row_starts[G]`` to M) are set to zero by the three warps of
-warpgroup 0 that issue no loads, while the others multiply.
+Warpgroup 0 loads (one thread issues the TMA copies into a ring of shared-memory stages);
+warpgroups 1 and 2 multiply 64 rows each and run the epilogue, while the loads of their
+next tile are already in flight. For row tile t the group g satisfies ``tile_starts[g] <=
+t < tile_starts[g+1]``; its 128 rows start at ``row_starts[g] + (t - tile_starts[g]) *
+TILE_M`` (rows of the next group or past M come along and are never stored), and only the
+rows that belong to g are stored. Rows past ``sum(sizes)`` (from ``row_starts[G]`` to M)
+are set to zero by the three warps of warpgroup 0 that issue no loads, while the others
+multiply.
 """
 
 import cuda.bindings.driver as cuda
