@@ -2,8 +2,8 @@
 
 Everything those engines do in JAX around their FFI calls (group tables, the custom VJPs,
 the fused/unfused split, routing) runs here on the CPU, against the xla engine. The
-emulated kernels follow the handlers' contracts: the cute kernel writes zeros past the last
-group; cuDNN's node leaves those rows to the caller.
+emulated kernels (gemm_oracle) follow the handlers' contracts: the cute kernel writes zeros
+past the last group; cuDNN's node leaves those rows to the caller.
 """
 
 import importlib
@@ -13,52 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gemm_oracle as oracle
 from cudnn_jax import engines
-from cudnn_jax import epilogue as epilogue_module
 
 gemm_module = importlib.import_module("cudnn_jax.gemm")
 moe_module = importlib.import_module("cudnn_jax.moe")
-
-
-def _group_of_rows(row_starts, rows):
-  """Group index of each row; G past the last group."""
-  return jnp.searchsorted(row_starts[1:], jnp.arange(rows), side="right")
-
-
-def _fake_cute_kernel(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
-  del tile_starts
-  groups = rhs.shape[0]
-  g = _group_of_rows(row_starts, lhs.shape[0])
-  w = jnp.minimum(g, groups - 1)
-  h = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[w].astype(jnp.float32),
-                 precision="highest") + bias[w]
-  name = None if epilogue == "none" else epilogue
-  glu = name if name in epilogue_module.GLU_ACTIVATION else None
-  y = epilogue_module.apply(h, None, activation=None if glu else name, glu=glu)
-  return jnp.where((g < groups)[:, None], y, 0).astype(lhs.dtype)  # the kernel zeroes the tail
-
-
-def _fake_wgrad(lhs, ct, row_starts):
-  groups = row_starts.shape[0] - 1
-  one_hot = _group_of_rows(row_starts, lhs.shape[0])[:, None] == jnp.arange(groups)
-  return jnp.einsum("mg,mk,mn->gkn", one_hot.astype(jnp.float32), lhs.astype(jnp.float32),
-                    ct.astype(jnp.float32), precision="highest")
-
-
-def _fake_grouped_matmul(lhs, rhs_nk, offsets):
-  g = jnp.searchsorted(offsets, jnp.arange(lhs.shape[0]), side="right") - 1
-  y = jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32), rhs_nk[g].astype(jnp.float32),
-                 precision="highest")
-  return y.astype(lhs.dtype)
 
 
 @pytest.fixture
 def emulated(monkeypatch):
   """The kernels emulated, and ``force(op, name)``: engine ``name`` serves ``op`` from then
   on, its support check (which declines without a GPU) skipped."""
-  monkeypatch.setattr(gemm_module, "_cute_grouped_gemm_ffi", _fake_cute_kernel)
-  monkeypatch.setattr(gemm_module, "_cute_grouped_wgrad_ffi", _fake_wgrad)
-  monkeypatch.setattr(gemm_module, "_grouped_matmul_ffi", _fake_grouped_matmul)
+  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   original = engines.choose
 
   def force(op, name):
