@@ -13,9 +13,11 @@ import cudnn_jax
 from cudnn_jax.pallas import kda_pairs, kda_scan
 from cudnn_jax.reference import kda as ref
 
+leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, interpret=True),
+                                    bwd=functools.partial(kda_pairs.pairs_bwd, interpret=True))
 fused_interpreted = ref.FusedKernels(
     scan_output=functools.partial(kda_scan.scan_output, interpret=True),
-    pair_leaves=kda_pairs.LEAVES_INTERPRETED)
+    pair_leaves=leaves_interpreted)
 
 
 @pytest.mark.parametrize("n,kd", [(16, 8), (8, 32)])
@@ -33,8 +35,8 @@ def test_pair_leaves_match_float64(n, kd):
   want_dx = np.einsum("...ts,...sk,...tsk->...tk", dM, y, decay)
   want_dy = np.einsum("...ts,...tk,...tsk->...sk", dM, x, decay)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  got = kda_pairs.LEAVES_INTERPRETED.fwd(f32(x), f32(y), f32(G))
-  got_dx, got_dy = kda_pairs.LEAVES_INTERPRETED.bwd(f32(dM), f32(x), f32(y), f32(G))
+  got = leaves_interpreted.fwd(f32(x), f32(y), f32(G))
+  got_dx, got_dy = leaves_interpreted.bwd(f32(dM), f32(x), f32(y), f32(G))
   for g_, w_ in ((got, want), (got_dx, want_dx), (got_dy, want_dy)):
     np.testing.assert_allclose(g_, w_, rtol=1e-5, atol=1e-5)
 

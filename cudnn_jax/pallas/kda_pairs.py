@@ -92,5 +92,3 @@ def pairs_bwd(dM, x, y, G, dt=None, *, interpret=False):
 
 
 LEAVES = ref.PairLeaves(fwd=pairs, bwd=pairs_bwd)
-LEAVES_INTERPRETED = ref.PairLeaves(fwd=functools.partial(pairs, interpret=True),
-                                    bwd=functools.partial(pairs_bwd, interpret=True))
