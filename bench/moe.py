@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.grouped_gemm, gemm (+SwiGLU) and moe_mlp against plain XLA.
 
-    python bench/moe.py [--out DIR] [--quick] [--cases grouped,square,swiglu,moe]
+    python bench/moe.py [--out DIR] [--quick] [--cases grouped,square,swiglu,moe] [--device-time]
 
 On a GPU, bfloat16:
 - grouped GEMM forward, m32768 k4096 n2048 g8 and m65536 k2048 n1408 g64, with equal and
@@ -17,6 +17,8 @@ Each row: the median wall time of 20 jitted calls (block_until_ready around each
 warm-up, and TFLOP/s; then "b2b": 20 calls issued back to back with one wait at the end
 (best of three), the device throughput a model sees, without each call's launch and wait
 latency (about 0.1 ms, which is 10% of a 1 ms GEMM); only for calls under 10 ms.
+With --device-time, also "dev": the profiler's device time of a call (the sum of its kernels'
+durations: what CUDA events around the call measure), for calls under 10 ms.
 With --quick: tiny shapes (float32 on CPU), a smoke test.
 Writes DIR/moe.json (DIR defaults to bench/results).
 """
@@ -27,23 +29,27 @@ import argparse
 import functools
 import os
 import pathlib
+import sys
 import time
 
 # The moe_mlp anchor (its lax.ragged_dot gradients) asks XLA for about 100 GiB at once.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+if "--device-time" in sys.argv:  # one profiler event per kernel, not per CUDA graph
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, rel_diff, time_back_to_back, time_calls, write_results
+from harness import device_ms, error_text, rel_diff, time_back_to_back, time_calls, write_results
 from cudnn_jax.gemm import gemm, grouped_gemm
 from cudnn_jax.moe import moe_mlp
 
 WARMUP = 3
 CALLS = 20
 B2B_BELOW_MS = 10  # longer calls: the per-call latency is noise, no back-to-back timing
+DEVICE_TIME = False  # --device-time
 
 
 def normal(key, shape, dtype, scale=1.0):
@@ -63,6 +69,9 @@ def measure(case, engines, args, flops, forward=True, compare=None):
       if row["ms"] < B2B_BELOW_MS:
         row["ms_b2b"] = 1e3 * time_back_to_back(fn, args, CALLS, WARMUP)
         row["tflops_b2b"] = flops / (row["ms_b2b"] * 1e-3) / 1e12
+        if DEVICE_TIME:
+          row["ms_device"] = device_ms(fn, args)
+          row["tflops_device"] = flops / (row["ms_device"] * 1e-3) / 1e12
       if forward and (compare is None or name in compare):
         out = fn(*args)
         if first is None:
@@ -188,13 +197,14 @@ def run(quick, dtype, cases=CASES):
 
 
 HEADER = (f"{'case':<44} {'engine':<30} {'ms':>9} {'TFLOP/s':>8} {'ms(b2b)':>9} "
-          f"{'TFLOP/s':>8} {'rel diff':>9}")
+          f"{'TFLOP/s':>8} {'ms(dev)':>9} {'TFLOP/s':>8} {'rel diff':>9}")
 
 
 def print_row(r):
   f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
   line = (f"{r['case']:<44} {r['engine']:<30} {f('ms', '.3f'):>9} {f('tflops', '.3g'):>8} "
           f"{f('ms_b2b', '.3f'):>9} {f('tflops_b2b', '.3g'):>8} "
+          f"{f('ms_device', '.3f'):>9} {f('tflops_device', '.3g'):>8} "
           f"{f('rel_diff_vs_first', '.1e'):>9}")
   print(line + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
 
@@ -205,7 +215,11 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--cases", default=",".join(CASES),
                       help=f"comma-separated subset of {','.join(CASES)}")
+  parser.add_argument("--device-time", action="store_true",
+                      help="also the profiler's device time of a call (calls under 10 ms)")
   args = parser.parse_args()
+  global DEVICE_TIME
+  DEVICE_TIME = args.device_time
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.quick:
     parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
