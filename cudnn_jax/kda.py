@@ -224,7 +224,8 @@ for _op in ("kda", "gdn"):
 # XLA scan and output stages take 2.6 ms (whole forward 6.6 ms, forward+backward 21.7,
 # before the pair kernels below).
 # The pair sums within 16-token sub-blocks, forward and backward, run as one program per
-# sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products.
+# sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
+# as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
 # Opt-in until its forward+backward is timed beside the xla engine's in one run.
 
 
