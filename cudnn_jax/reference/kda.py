@@ -349,16 +349,22 @@ class FusedKernels(NamedTuple):
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs of the forward pass, one sequence per batch row (not
   for packed sequences). ``pair_leaves``: ``PairLeaves`` for the pair sums within 16-token
-  sub-blocks, forward and backward.
+  sub-blocks, forward and backward. ``intra(q, k, v, G, b, dt) -> Intra``: the forward
+  pass's intra-chunk stage (per-channel gates; the backward recomputes it in XLA).
   """
   scan_output: object = None
   pair_leaves: PairLeaves = XLA_LEAVES
+  intra: object = None
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
   fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
+  if fused.intra is not None and G.shape[-1] > 1:
+    with jax.named_scope("kda_intra"):
+      it = fused.intra(q, k, v, G, beta, dt)
+  else:
+    it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
                                     precision=matmul_precision(dt))
