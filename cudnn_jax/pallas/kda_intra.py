@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as pl_triton
 from cudnn_jax.reference import kda as ref
 
 SUB = 16  # tokens per sub-block
+BK = 32  # columns of K (and V) per step: [C, BK] float32 operands stay in registers
 NUM_WARPS = 8
 # Products of the inverse: the reference's are float32 (HIGHEST). Three bfloat16 products
 # of the split operands keep about 16 bits of each, the rest being far below what the
@@ -43,57 +44,56 @@ def _dot(a, b, precision, transpose_b=False):
                              preferred_element_type=jnp.float32)
 
 
-def _rows_at(ref_, blk, offset):
-  """[C, D]: row t holds ``ref_[SUB * blk(t) + offset]``, a row of t's own sub-block."""
+def _rows_at(ref_, cs, blk, offset):
+  """[C, len(cs)]: row t holds ``ref_[SUB * blk(t) + offset, cs]``."""
   out = None
   for i in range(ref_.shape[0] // SUB):
-    row = ref_[pl.ds(SUB * i + offset, 1), :]
+    row = ref_[pl.ds(SUB * i + offset, 1), cs]
     out = row if out is None else jnp.where(blk == i, row, out)
   return out
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
-            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt):
+def _pair_sums(q_ref, k_ref, g_ref, cs, dt, A, P):
+  """``A`` and ``P`` plus the pair sums over the columns ``cs`` of K."""
   c = k_ref.shape[0]
-  exact = jnp.dtype(dt) == jnp.float32
-  pair_precision = ref.matmul_precision(dt)
-  solve_precision = _SOLVE_PRECISION[exact]
-  q, k, G = q_ref[...], k_ref[...], g_ref[...]
+  q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
   rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   cols = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   blk = rows // SUB
+  precision = ref.matmul_precision(dt)
 
   # Pairs across sub-blocks, through r = the last token before t's sub-block. Rows of the
   # first sub-block have no such pairs (their reference is themselves, then masked).
-  Gr = jnp.where(blk == 0, G, _rows_at(g_ref, blk - 1, SUB - 1)) if c > SUB else G
+  Gr = jnp.where(blk == 0, G, _rows_at(g_ref, cs, blk - 1, SUB - 1)) if c > SUB else G
   down = jnp.exp(G - Gr)  # e^{G_t - G_r} <= 1
   kl, ql = (k * down).astype(dt), (q * down).astype(dt)
-  A = jnp.zeros((c, c), jnp.float32)
-  P = jnp.zeros((c, c), jnp.float32)
   for i in range(1, c // SUB):
-    gr = g_ref[pl.ds(SUB * i - 1, 1), :]
+    gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
     # e^{G_r - G_s} <= 1 for the tokens s before sub-block i, 0 for the others.
     kr = (k * jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))).astype(dt)
-    A = A + jnp.where(blk == i, _dot(kl, kr, pair_precision, transpose_b=True), 0.0)
-    P = P + jnp.where(blk == i, _dot(ql, kr, pair_precision, transpose_b=True), 0.0)
+    A = A + jnp.where(blk == i, _dot(kl, kr, precision, transpose_b=True), 0.0)
+    P = P + jnp.where(blk == i, _dot(ql, kr, precision, transpose_b=True), 0.0)
 
   # Pairs inside a sub-block: column j of every sub-block at once.
   def column(j, AP):
     A, P = AP
     s = SUB * blk + j  # [C, 1]: the column row t pairs with
-    e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, blk, j), -jnp.inf))
-    ks_e = _rows_at(k_ref, blk, j) * e
+    e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
+    ks_e = _rows_at(k_ref, cs, blk, j) * e
     kk = jnp.sum(k * ks_e, axis=1, keepdims=True)
     qk = jnp.sum(q * ks_e, axis=1, keepdims=True)
     at = cols == s
     return (A + jnp.where(at & (rows > s), kk, 0.0), P + jnp.where(at, qk, 0.0))
 
-  A, P = jax.lax.fori_loop(0, SUB, column, (A, P))
+  return jax.lax.fori_loop(0, SUB, column, (A, P))
 
-  # (I + N)^-1, N = beta A strictly lower: the inverted diagonal blocks of size h give
-  # those of size 2h as D - D Y D, Y the lower-left h x h blocks of N's 2h-blocks.
-  b = b_ref[...][:, None]
-  N = b * A
+
+def _unit_lower_inverse(N, precision):
+  """``(I + N)^-1`` for N ``[C, C]`` strictly lower: the inverted diagonal blocks of size h
+  give those of size 2h as ``D - D Y D``, Y the lower-left h x h blocks of N's 2h-blocks."""
+  c = N.shape[0]
+  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   D = None
   h = 1
   while h < c:
@@ -103,31 +103,55 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
     if D is None:  # the 1 x 1 blocks: D = I
       D = jnp.where(rows == cols, 1.0, 0.0) - Y
     else:
-      D = D - _dot(D, _dot(Y, D, solve_precision), solve_precision)
+      D = D - _dot(D, _dot(Y, D, precision), precision)
     h *= 2
+  return D
 
-  eG = jnp.exp(G)
-  w_ref[...] = _dot(D, b * k * eG, solve_precision)
-  u_ref[...] = _dot(D, b * v_ref[...], solve_precision)
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
+            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk):
+  c, kdim = k_ref.shape
+  solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
+  blocks = lambda n, body, init=None: jax.lax.fori_loop(
+      0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
+
+  zeros = jnp.zeros((c, c), jnp.float32)
+  A, P = blocks(kdim, lambda cs, AP: _pair_sums(q_ref, k_ref, g_ref, cs, dt, *AP),
+                (zeros, zeros))
   p_ref[...] = P
-  qg_ref[...] = q * eG
-  g_last = g_ref[pl.ds(c - 1, 1), :]
-  kd_ref[...] = k * jnp.exp(g_last - G)
-  dec_ref[...] = jnp.exp(g_last)
+  b = b_ref[...][:, None]
+  D = _unit_lower_inverse(b * A, solve_precision)
+
+  def per_k_block(cs, _):
+    G, k = g_ref[:, cs], k_ref[:, cs]
+    eG = jnp.exp(G)
+    g_last = g_ref[pl.ds(c - 1, 1), cs]
+    w_ref[:, cs] = _dot(D, b * k * eG, solve_precision)
+    qg_ref[:, cs] = q_ref[:, cs] * eG
+    kd_ref[:, cs] = k * jnp.exp(g_last - G)
+    dec_ref[:, cs] = jnp.exp(g_last)
+
+  def per_v_block(cs, _):
+    u_ref[:, cs] = _dot(D, b * v_ref[:, cs], solve_precision)
+
+  blocks(kdim, per_k_block)
+  blocks(v_ref.shape[1], per_v_block)
 
 
-@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps"))
-def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS):
+@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
+def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
   """``reference.kda.Intra`` (float32) of chunks ``[..., C, D]``: q, k, G ``[..., C, K]``
   (G per channel), v ``[..., C, V]``, b (beta) ``[..., C, 1]``, all float32; ``dt`` the
-  pair products' operand dtype. C and K multiples of 16, C a power of two."""
+  pair products' operand dtype. C a power of two, K and V multiples of ``bk`` (at most
+  BK), C and ``bk`` at least 16."""
+  bk = min(bk, q.shape[-1], v.shape[-1])
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
   flat = [z.reshape(-1, *z.shape[-2:]) for z in (q, k, v, G)] + [b.reshape(-1, c)]
   count = flat[0].shape[0]
   spec = lambda *shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
   outs = pl.pallas_call(
-      functools.partial(_kernel, dt=dt), grid=(count,),
+      functools.partial(_kernel, dt=dt, bk=bk), grid=(count,),
       in_specs=[spec(c, kdim), spec(c, kdim), spec(c, vdim), spec(c, kdim), spec(c)],
       out_specs=[spec(*shape) for shape in shapes],
       out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32) for shape in shapes],
