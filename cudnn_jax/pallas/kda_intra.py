@@ -14,7 +14,8 @@ between them, the last token of the sub-block before t's: ``(k_t e^{G_t - G_r}) 
 sub-block are summed directly, one column s at a time, each ``e^{G_t - G_s}`` formed once
 for the k-k and the q-k pair. ``I + beta A`` is inverted by doubling its inverted diagonal
 blocks, as the reference does, with every product of that inverse in about float32
-accuracy (three bfloat16 products per product).
+accuracy (three bfloat16 products per product). Every step reads BK columns of K (or V)
+at a time, so that its operands stay in registers.
 """
 
 from __future__ import annotations
@@ -53,37 +54,50 @@ def _rows_at(ref_, cs, blk, offset):
   return out
 
 
-def _pair_sums(q_ref, k_ref, g_ref, cs, dt, A, P):
-  """``A`` and ``P`` plus the pair sums over the columns ``cs`` of K."""
+def _iota(c):
+  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  return rows, jax.lax.broadcasted_iota(jnp.int32, (1, c), 1), rows // SUB
+
+
+def _cross_pairs(q_ref, k_ref, g_ref, cs, dt, A, P):
+  """``A`` and ``P`` plus the sums over the columns ``cs`` of K of the pairs in different
+  sub-blocks, through r = the last token before t's sub-block (factors <= 1)."""
   c = k_ref.shape[0]
   q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
-  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-  cols = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  blk = rows // SUB
+  rows, _, blk = _iota(c)
   precision = ref.matmul_precision(dt)
-
-  # Pairs across sub-blocks, through r = the last token before t's sub-block. Rows of the
-  # first sub-block have no such pairs (their reference is themselves, then masked).
-  Gr = jnp.where(blk == 0, G, _rows_at(g_ref, cs, blk - 1, SUB - 1)) if c > SUB else G
-  down = jnp.exp(G - Gr)  # e^{G_t - G_r} <= 1
-  kl, ql = (k * down).astype(dt), (q * down).astype(dt)
+  down = jnp.exp(G - _rows_at(g_ref, cs, blk - 1, SUB - 1))  # e^{G_t - G_r}; t >= SUB
   for i in range(1, c // SUB):
     gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
-    # e^{G_r - G_s} <= 1 for the tokens s before sub-block i, 0 for the others.
+    # e^{G_r - G_s} for the tokens s before sub-block i, 0 for the others.
     kr = (k * jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))).astype(dt)
-    A = A + jnp.where(blk == i, _dot(kl, kr, precision, transpose_b=True), 0.0)
-    P = P + jnp.where(blk == i, _dot(ql, kr, precision, transpose_b=True), 0.0)
+    scaled = jnp.where(blk == i, down, 0.0)  # the rows of sub-block i
+    A = A + _dot((k * scaled).astype(dt), kr, precision, transpose_b=True)
+    P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
+  return A, P
 
-  # Pairs inside a sub-block: column j of every sub-block at once.
+
+def _inner_pairs(q_ref, k_ref, g_ref, bk, A, P):
+  """``A`` and ``P`` plus the pairs inside sub-blocks, summed directly: column j of every
+  sub-block at once, over all of K (in blocks of bk), one ``e^{G_t - G_s}`` for both."""
+  c, kdim = k_ref.shape
+  rows, cols, blk = _iota(c)
+
   def column(j, AP):
-    A, P = AP
     s = SUB * blk + j  # [C, 1]: the column row t pairs with
-    e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
-    ks_e = _rows_at(k_ref, cs, blk, j) * e
-    kk = jnp.sum(k * ks_e, axis=1, keepdims=True)
-    qk = jnp.sum(q * ks_e, axis=1, keepdims=True)
+
+    def k_block(i, sums):
+      cs = pl.ds(pl.multiple_of(i * bk, bk), bk)
+      G = g_ref[:, cs]
+      e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
+      ks_e = _rows_at(k_ref, cs, blk, j) * e
+      return (sums[0] + jnp.sum(k_ref[:, cs] * ks_e, axis=1, keepdims=True),
+              sums[1] + jnp.sum(q_ref[:, cs] * ks_e, axis=1, keepdims=True))
+
+    zero = jnp.zeros((c, 1), jnp.float32)
+    kk, qk = jax.lax.fori_loop(0, kdim // bk, k_block, (zero, zero))
     at = cols == s
-    return (A + jnp.where(at & (rows > s), kk, 0.0), P + jnp.where(at, qk, 0.0))
+    return (AP[0] + jnp.where(at & (rows > s), kk, 0.0), AP[1] + jnp.where(at, qk, 0.0))
 
   return jax.lax.fori_loop(0, SUB, column, (A, P))
 
@@ -92,8 +106,7 @@ def _unit_lower_inverse(N, precision):
   """``(I + N)^-1`` for N ``[C, C]`` strictly lower: the inverted diagonal blocks of size h
   give those of size 2h as ``D - D Y D``, Y the lower-left h x h blocks of N's 2h-blocks."""
   c = N.shape[0]
-  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-  cols = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  rows, cols, _ = _iota(c)
   D = None
   h = 1
   while h < c:
@@ -116,8 +129,9 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
       0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
 
   zeros = jnp.zeros((c, c), jnp.float32)
-  A, P = blocks(kdim, lambda cs, AP: _pair_sums(q_ref, k_ref, g_ref, cs, dt, *AP),
+  A, P = blocks(kdim, lambda cs, AP: _cross_pairs(q_ref, k_ref, g_ref, cs, dt, *AP),
                 (zeros, zeros))
+  A, P = _inner_pairs(q_ref, k_ref, g_ref, bk, A, P)
   p_ref[...] = P
   b = b_ref[...][:, None]
   D = _unit_lower_inverse(b * A, solve_precision)
@@ -144,8 +158,10 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
   (G per channel), v ``[..., C, V]``, b (beta) ``[..., C, 1]``, all float32; ``dt`` the
   pair products' operand dtype. C a power of two, K and V multiples of ``bk`` (at most
   BK), C and ``bk`` at least 16."""
-  bk = min(bk, q.shape[-1], v.shape[-1])
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
+  bk = min(bk, kdim, vdim)
+  if kdim % bk or vdim % bk:
+    raise ValueError(f"K={kdim} and V={vdim} must be multiples of bk={bk}")
   flat = [z.reshape(-1, *z.shape[-2:]) for z in (q, k, v, G)] + [b.reshape(-1, c)]
   count = flat[0].shape[0]
   spec = lambda *shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
