@@ -1,6 +1,7 @@
 """Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick] [--profile] [--engine xla|cute] [--shapes 8x4096]
+    python bench/kda.py [--out DIR] [--quick] [--profile | --intra] [--engine xla|cute]
+                        [--shapes 8x4096]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -16,7 +17,9 @@ state recurrence as one GPU kernel); --forward-only leaves out forward+backward;
 takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
 --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
-XLA's command buffers turned off so that every kernel is seen.
+XLA's command buffers turned off so that every kernel is seen. With --intra: instead of
+the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's
+(the reference) against the Pallas kernel (pallas/kda_intra.py) by warps and K block.
 Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import pathlib
 import sys
@@ -31,7 +35,7 @@ import time
 
 # FLA (torch) shares the GPU with JAX in this process: leave it room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
-if "--profile" in sys.argv:  # one profiler event per kernel, not per CUDA graph
+if {"--profile", "--intra"} & set(sys.argv):  # one profiler event per kernel, not per graph
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -39,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import (error_text, load_torch, profile_scopes, rel_diff, time_back_to_back,
-                     time_calls, torch_time_ms, write_results)
+from harness import (device_ms, error_text, load_torch, profile_scopes, rel_diff,
+                     time_back_to_back, time_calls, torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 10
@@ -110,6 +114,36 @@ def print_profile(shape):
       print(f"  {stage:<20} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
     for ms, op, op_name in top:
       print(f"    {ms:8.3f} ms  {op:<28} {op_name[-90:]}")
+
+
+def print_intra(shape, variants=((4, 32), (8, 32), (4, 64), (8, 64), (8, 128))):
+  """The intra-chunk stage alone: XLA's against the kernel's (num_warps, bk) variants."""
+  from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
+  c = 64
+  dims = (shape.t // c, shape.b, shape.h, c)
+  keys = jax.random.split(jax.random.key(0), 5)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(keys[0], dims + (shape.k,))) * shape.k**-0.5
+  k = unit(jax.random.normal(keys[1], dims + (shape.k,)))
+  v = jax.random.normal(keys[2], dims + (shape.v,))
+  G = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(keys[3], dims + (shape.k,))) / 8, -2)
+  beta = jax.random.uniform(keys[4], dims + (1,))
+  args, dt = (q, k, v, G, beta), jnp.dtype(jnp.bfloat16)
+  xla = jax.jit(lambda *a: ref._intra(*a, dt))  # pylint: disable=protected-access
+  want = xla(*args)
+  print(f"intra-chunk stage {shape}, chunk {c}, bf16 pair products")
+  print(f"{'engine':<28} {'ms':>8}  rel diff (w U P qg kd dec)")
+  print(f"{'XLA (reference)':<28} {device_ms(xla, args):8.3f}")
+  for warps, bk in variants:
+    fn = jax.jit(functools.partial(kda_intra.intra, dt=dt, num_warps=warps, bk=bk,
+                                   interpret=jax.default_backend() != "gpu"))
+    name = f"kernel, {warps} warps, bk {bk}"
+    try:
+      diffs = " ".join(f"{rel_diff(a, b):.0e}" for a, b in zip(fn(*args), want))
+      print(f"{name:<28} {device_ms(fn, args):8.3f}  {diffs}", flush=True)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{name:<28} {'-':>8}  ({error_text(e)})", flush=True)
 
 
 def load_fla():
@@ -191,6 +225,8 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table, where the device time goes by engine stage")
+  parser.add_argument("--intra", action="store_true",
+                      help="instead of the table, the intra-chunk stage: XLA against the kernel")
   parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
@@ -202,6 +238,10 @@ def main():
   if args.profile:
     print_profile(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
                   else Shape(b=8, t=4096, h=16, k=128, v=128))
+    return
+  if args.intra:
+    print_intra(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
+                else Shape(b=8, t=4096, h=16, k=128, v=128))
     return
   if args.quick:
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
