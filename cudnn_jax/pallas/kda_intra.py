@@ -59,13 +59,17 @@ def _iota(c):
   return rows, jax.lax.broadcasted_iota(jnp.int32, (1, c), 1), rows // SUB
 
 
-def _cross_pairs(q_ref, k_ref, g_ref, cs, dt, A, P):
-  """``A`` and ``P`` plus the sums over the columns ``cs`` of K of the pairs in different
-  sub-blocks, through r = the last token before t's sub-block (factors <= 1)."""
+def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
+  """``sums`` plus the pair sums over the columns ``cs`` of K: ``(A, P, Ad, Pd)``, A and P
+  ``[C, C]`` the pairs of different sub-blocks, Ad and Pd ``[C, SUB]`` those inside them
+  (column j: the pair of token t with token j of its sub-block)."""
+  A, P, Ad, Pd = sums
   c = k_ref.shape[0]
   q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
   rows, _, blk = _iota(c)
   precision = ref.matmul_precision(dt)
+
+  # Different sub-blocks, through r = the last token before t's sub-block (factors <= 1).
   down = jnp.exp(G - _rows_at(g_ref, cs, blk - 1, SUB - 1))  # e^{G_t - G_r}; t >= SUB
   for i in range(1, c // SUB):
     gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
@@ -74,32 +78,33 @@ def _cross_pairs(q_ref, k_ref, g_ref, cs, dt, A, P):
     scaled = jnp.where(blk == i, down, 0.0)  # the rows of sub-block i
     A = A + _dot((k * scaled).astype(dt), kr, precision, transpose_b=True)
     P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
-  return A, P
+
+  # Inside a sub-block, summed directly: column j of every sub-block at once, one
+  # e^{G_t - G_s} for the k-k and the q-k pair.
+  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+
+  def column(j, inner):
+    s = SUB * blk + j  # [C, 1]: the token row t pairs with
+    e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
+    ks_e = _rows_at(k_ref, cs, blk, j) * e
+    kk = jnp.sum(k * ks_e, axis=1, keepdims=True)
+    qk = jnp.sum(q * ks_e, axis=1, keepdims=True)
+    at = j_cols == j
+    return inner[0] + jnp.where(at & (rows > s), kk, 0.0), inner[1] + jnp.where(at, qk, 0.0)
+
+  Ad, Pd = jax.lax.fori_loop(0, SUB, column, (Ad, Pd))
+  return A, P, Ad, Pd
 
 
-def _inner_pairs(q_ref, k_ref, g_ref, bk, A, P):
-  """``A`` and ``P`` plus the pairs inside sub-blocks, summed directly: column j of every
-  sub-block at once, over all of K (in blocks of bk), one ``e^{G_t - G_s}`` for both."""
-  c, kdim = k_ref.shape
-  rows, cols, blk = _iota(c)
-
-  def column(j, AP):
-    s = SUB * blk + j  # [C, 1]: the column row t pairs with
-
-    def k_block(i, sums):
-      cs = pl.ds(pl.multiple_of(i * bk, bk), bk)
-      G = g_ref[:, cs]
-      e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
-      ks_e = _rows_at(k_ref, cs, blk, j) * e
-      return (sums[0] + jnp.sum(k_ref[:, cs] * ks_e, axis=1, keepdims=True),
-              sums[1] + jnp.sum(q_ref[:, cs] * ks_e, axis=1, keepdims=True))
-
-    zero = jnp.zeros((c, 1), jnp.float32)
-    kk, qk = jax.lax.fori_loop(0, kdim // bk, k_block, (zero, zero))
-    at = cols == s
-    return (AP[0] + jnp.where(at & (rows > s), kk, 0.0), AP[1] + jnp.where(at, qk, 0.0))
-
-  return jax.lax.fori_loop(0, SUB, column, (A, P))
+def _on_diagonal_blocks(M, Md):
+  """M plus ``Md [C, SUB]`` laid out on the diagonal sub-blocks: ``M[t, SUB blk(t) + j]
+  += Md[t, j]``."""
+  _, cols, blk = _iota(M.shape[0])
+  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+  for j in range(SUB):
+    column = jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
+    M = M + jnp.where(cols == SUB * blk + j, column, 0.0)
+  return M
 
 
 def _unit_lower_inverse(N, precision):
@@ -128,10 +133,10 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
   blocks = lambda n, body, init=None: jax.lax.fori_loop(
       0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
 
-  zeros = jnp.zeros((c, c), jnp.float32)
-  A, P = blocks(kdim, lambda cs, AP: _cross_pairs(q_ref, k_ref, g_ref, cs, dt, *AP),
-                (zeros, zeros))
-  A, P = _inner_pairs(q_ref, k_ref, g_ref, bk, A, P)
+  square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
+  A, P, Ad, Pd = blocks(kdim, lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums),
+                        (square, square, inner, inner))
+  A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
   p_ref[...] = P
   b = b_ref[...][:, None]
   D = _unit_lower_inverse(b * A, solve_precision)
