@@ -227,8 +227,9 @@ for _op in ("kda", "gdn"):
 # sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
 # as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
 # The forward's intra-chunk stage as one kernel, one program per chunk and head
-# (pallas/kda_intra.py, ``FusedKernels.intra``), is not plugged in yet: its first form, with
-# whole [C, K] operands in registers, took 6.6 ms on an H200 where XLA's stage takes 3.9.
+# (pallas/kda_intra.py, ``FusedKernels.intra``), is plugged in once it beats XLA's stage
+# (`bench/kda.py --intra`): its first form, with whole [C, K] operands in registers, took
+# 6.6 ms on an H200 where XLA's takes 3.9.
 # Opt-in until its forward+backward is timed beside the xla engine's in one run.
 
 
