@@ -132,3 +132,26 @@ def check_gradients(cfg, arrays, kwargs, *, rtol, atol, seed=0):
     scale = np.linalg.norm(grads[name]) * np.linalg.norm(direction)
     assert np.all(np.isfinite(np.asarray(grads[name]))), name
     assert abs(got - expected) <= rtol * abs(expected) + atol * scale, (name, got, expected)
+
+
+def check_intra_kernel(intra, c, kd, vd, dt, steep=False, lead=(2, 3)):
+  """``intra(q, k, v, G, b, dt)`` (a kernel for ``reference.kda._intra``) against the
+  reference's stage on random chunks, every output: gates that decay gently, or by up to
+  e^-5 a token (steep: pair factors that underflow)."""
+  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(c + kd + steep)
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(lead + s), jnp.float32)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k, v = unit(f32(c, kd)) * kd**-0.5, unit(f32(c, kd)), f32(c, vd)
+  decay = jnp.asarray(rng.random(lead + (c, kd)), jnp.float32) * (5.0 if steep else 0.5)
+  G = jnp.cumsum(-decay, -2)
+  b = jnp.asarray(rng.random(lead + (c, 1)), jnp.float32)
+  dt = jnp.dtype(dt)
+  got = intra(q, k, v, G, b, dt)
+  want = ref._intra(q, k, v, G, b, dt)  # pylint: disable=protected-access
+  # bfloat16: both round the pair products' operands, at different points.
+  tol = 1e-5 if dt == jnp.float32 else 5e-3
+  for name, g_, w_ in zip(got._fields, got, want):
+    assert g_.shape == w_.shape, name
+    np.testing.assert_allclose(g_, w_, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w_))),
+                               err_msg=name)

@@ -12,6 +12,7 @@ import pytest
 import cudnn_jax
 from cudnn_jax.pallas import kda_intra, kda_pairs, kda_scan
 from cudnn_jax.reference import kda as ref
+from kda_cases import check_intra_kernel
 
 leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, interpret=True),
                                     bwd=functools.partial(kda_pairs.pairs_bwd, interpret=True))
@@ -45,25 +46,8 @@ def test_pair_leaves_match_float64(n, kd):
 @pytest.mark.parametrize("c,steep", [(64, False), (64, True), (16, False)])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
 def test_intra_kernel_matches_reference(c, steep, dt):
-  """The intra-chunk kernel against the reference's stage, every output, with gates that
-  decay gently or by e^-5 a token (pair factors down to e^-300: underflow, not overflow)."""
-  rng = np.random.default_rng(c + steep)
-  lead, kd, vd = (2, 3), 32, 16
-  f32 = lambda *s: jnp.asarray(rng.standard_normal(lead + s), jnp.float32)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q, k, v = unit(f32(c, kd)) * kd**-0.5, unit(f32(c, kd)), f32(c, vd)
-  G = jnp.cumsum(-jnp.asarray(rng.random(lead + (c, kd)), jnp.float32) * (5.0 if steep else 0.5),
-                 -2)
-  b = jnp.asarray(rng.random(lead + (c, 1)), jnp.float32)
-  dt = jnp.dtype(dt)
-  got = kda_intra.intra(q, k, v, G, b, dt, interpret=True)
-  want = ref._intra(q, k, v, G, b, dt)  # pylint: disable=protected-access
-  # bfloat16: both round the pair products' operands, at different points.
-  tol = 1e-5 if dt == jnp.float32 else 5e-3
-  for name, g_, w_ in zip(got._fields, got, want):
-    assert g_.shape == w_.shape, name
-    np.testing.assert_allclose(g_, w_, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w_))),
-                               err_msg=name)
+  """The intra-chunk kernel, interpreted, against the reference's stage."""
+  check_intra_kernel(functools.partial(kda_intra.intra, interpret=True), c, 32, 16, dt, steep)
 
 
 @pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
