@@ -62,8 +62,9 @@ def _iota(c):
 def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
   """``sums`` plus the pair sums over the columns ``cs`` of K: ``(A, P, Ad, Pd)``, A and P
   ``[C, C]`` the pairs of different sub-blocks, Ad and Pd ``[C, SUB]`` those inside them
-  (column j: the pair of token t with token j of its sub-block)."""
+  (column j: the pair of token t with token j of its sub-block). P and Pd None: k-k only."""
   A, P, Ad, Pd = sums
+  with_q = P is not None
   c = k_ref.shape[0]
   q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
   rows, _, blk = _iota(c)
@@ -77,7 +78,8 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
     kr = (k * jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))).astype(dt)
     scaled = jnp.where(blk == i, down, 0.0)  # the rows of sub-block i
     A = A + _dot((k * scaled).astype(dt), kr, precision, transpose_b=True)
-    P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
+    if with_q:
+      P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
 
   # Inside a sub-block, summed directly: column j of every sub-block at once, one
   # e^{G_t - G_s} for the k-k and the q-k pair.
@@ -87,10 +89,11 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
     s = SUB * blk + j  # [C, 1]: the token row t pairs with
     e = jnp.exp(jnp.where(rows >= s, G - _rows_at(g_ref, cs, blk, j), -jnp.inf))
     ks_e = _rows_at(k_ref, cs, blk, j) * e
-    kk = jnp.sum(k * ks_e, axis=1, keepdims=True)
-    qk = jnp.sum(q * ks_e, axis=1, keepdims=True)
     at = j_cols == j
-    return inner[0] + jnp.where(at & (rows > s), kk, 0.0), inner[1] + jnp.where(at, qk, 0.0)
+    kk = jnp.where(at & (rows > s), jnp.sum(k * ks_e, axis=1, keepdims=True), 0.0)
+    if not with_q:
+      return inner[0] + kk, None
+    return inner[0] + kk, inner[1] + jnp.where(at, jnp.sum(q * ks_e, axis=1, keepdims=True), 0.0)
 
   Ad, Pd = jax.lax.fori_loop(0, SUB, column, (Ad, Pd))
   return A, P, Ad, Pd
@@ -105,6 +108,23 @@ def _on_diagonal_blocks(M, Md):
     column = jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
     M = M + jnp.where(cols == SUB * blk + j, column, 0.0)
   return M
+
+
+def _diagonal_blocks(M):
+  """``Md [C, SUB]``, ``Md[t, j] = M[t, SUB blk(t) + j]``: M's diagonal sub-blocks."""
+  _, cols, blk = _iota(M.shape[0])
+  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+  Md = jnp.zeros((M.shape[0], SUB), jnp.float32)
+  for j in range(SUB):
+    column = jnp.sum(jnp.where(cols == SUB * blk + j, M, 0.0), axis=1, keepdims=True)
+    Md = Md + jnp.where(j_cols == j, column, 0.0)
+  return Md
+
+
+def _column(Md, j):
+  """Column j of ``Md [C, SUB]``: [C, 1]."""
+  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+  return jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
 
 
 def _unit_lower_inverse(N, precision):
@@ -180,3 +200,136 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*flat)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])
+
+
+# ---------------------------------------------------------------------------------------
+# The backward pass of the stage. With D = (I + N)^-1, N = beta A, R1 = beta k e^G, R2 =
+# beta v (so w = D R1, U = D R2):
+#   dR1 = D^T dw, dR2 = D^T dU, dN = -strict_lower(dR1 w^T + dR2 U^T), dA = beta dN,
+# and a pair matrix M_ts = sum x_t y_s e^{G_t - G_s} with cotangent W gives
+#   dx_t = sum_s W_ts y_s e^{G_t - G_s} ("rows"), dy_s = sum_t W_ts x_t e^{G_t - G_s}
+#   ("cols"), dG = x dx - y dy.
+
+
+def _pair_grads(x, y, G, x_ref, y_ref, g_ref, cs, W, Wd, Wtd, dt):
+  """("rows", "cols") of the pair matrix of x, y over the columns ``cs`` of K for the
+  cotangent ``W [C, C]`` (lower triangular); ``Wd``, ``Wtd`` the diagonal sub-blocks of W
+  and of W^T (``_diagonal_blocks``)."""
+  c = W.shape[0]
+  rows, cols, blk = _iota(c)
+  precision = ref.matmul_precision(dt)
+  down = jnp.exp(G - _rows_at(g_ref, cs, blk - 1, SUB - 1))  # e^{G_t - G_r}; t >= SUB
+  dx = jnp.zeros(G.shape, jnp.float32)
+  dy = jnp.zeros(G.shape, jnp.float32)
+  for i in range(1, c // SUB):
+    gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
+    up = jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))  # e^{G_r - G_s}, s < SUB i
+    Wi = jnp.where((blk == i) & (cols < SUB * i), W, 0.0).astype(dt)
+    dx = dx + jnp.where(blk == i, down, 0.0) * _dot(Wi, (y * up).astype(dt), precision)
+    x_down = jnp.where(blk == i, x * down, 0.0).astype(dt)
+    dy = dy + up * jax.lax.dot_general(Wi, x_down, (((0,), (0,)), ((), ())),
+                                       precision=precision, preferred_element_type=jnp.float32)
+
+  # Inside sub-blocks: token t with s = SUB blk(t) + j (t >= s) for "rows", and token s
+  # with t = SUB blk(s) + j (t >= s) for "cols".
+  def column(j, d):
+    pos = SUB * blk + j
+    Gj = _rows_at(g_ref, cs, blk, j)
+    after = jnp.exp(jnp.where(rows >= pos, G - Gj, -jnp.inf))   # e^{G_t - G_pos}
+    before = jnp.exp(jnp.where(rows <= pos, Gj - G, -jnp.inf))  # e^{G_pos - G_s}
+    return (d[0] + _column(Wd, j) * _rows_at(y_ref, cs, blk, j) * after,
+            d[1] + _column(Wtd, j) * _rows_at(x_ref, cs, blk, j) * before)
+
+  return jax.lax.fori_loop(0, SUB, column, (dx, dy))
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_ref, dkd_ref,
+                ddec_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, dt, bk):
+  c, kdim = k_ref.shape
+  rows, cols, _ = _iota(c)
+  solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
+  dot_t = lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                           precision=solve_precision,
+                                           preferred_element_type=jnp.float32)  # a^T b
+  blocks = lambda n, body, init=None: jax.lax.fori_loop(
+      0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
+  b = b_ref[...][:, None]
+
+  # The forward's A and inverse, recomputed.
+  square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
+  A, _, Ad, _ = blocks(kdim, lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums),
+                       (square, None, inner, None))
+  A = _on_diagonal_blocks(A, Ad)
+  D = _unit_lower_inverse(b * A, solve_precision)
+
+  # dR1 w^T + dR2 U^T, over K and V; dv and beta's share from R2 on the way.
+  def k_outer(cs, S):
+    R1 = b * k_ref[:, cs] * jnp.exp(g_ref[:, cs])
+    dR1 = dot_t(D, dw_ref[:, cs])
+    return S + _dot(dR1, _dot(D, R1, solve_precision), solve_precision, transpose_b=True)
+
+  def v_outer(cs, carry):
+    S, db = carry
+    v = v_ref[:, cs]
+    dR2 = dot_t(D, du_ref[:, cs])
+    dv_ref[:, cs] = b * dR2
+    U = _dot(D, b * v, solve_precision)
+    return (S + _dot(dR2, U, solve_precision, transpose_b=True),
+            db + jnp.sum(v * dR2, axis=1, keepdims=True))
+
+  S = blocks(kdim, k_outer, square)
+  S, db = blocks(v_ref.shape[1], v_outer, (S, jnp.zeros((c, 1), jnp.float32)))
+  dN = jnp.where(rows > cols, -S, 0.0)
+  db = db + jnp.sum(dN * A, axis=1, keepdims=True)
+  WA = b * dN
+  WP = jnp.where(rows >= cols, dp_ref[...], 0.0)
+  WAd, WAtd = _diagonal_blocks(WA), _diagonal_blocks(WA.T)
+  WPd, WPtd = _diagonal_blocks(WP), _diagonal_blocks(WP.T)
+
+  def per_k_block(cs, db):
+    q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
+    eG = jnp.exp(G)
+    g_last = g_ref[pl.ds(c - 1, 1), cs]
+    decay = jnp.exp(g_last - G)  # e^{G_C - G}
+    dR1 = dot_t(D, dw_ref[:, cs])
+    dqg, dkd = dqg_ref[:, cs], dkd_ref[:, cs]
+    rows_a, cols_a = _pair_grads(k, k, G, k_ref, k_ref, g_ref, cs, WA, WAd, WAtd, dt)
+    rows_p, cols_p = _pair_grads(q, k, G, q_ref, k_ref, g_ref, cs, WP, WPd, WPtd, dt)
+    dq_ref[:, cs] = eG * dqg + rows_p
+    dk_ref[:, cs] = b * eG * dR1 + decay * dkd + rows_a + cols_a + cols_p
+    kd_dkd = k * decay * dkd
+    last = jnp.sum(kd_dkd, axis=0, keepdims=True) + jnp.exp(g_last) * ddec_ref[:, cs]
+    dg_ref[:, cs] = (b * k * eG * dR1 + q * eG * dqg - kd_dkd + k * (rows_a - cols_a)
+                     + q * rows_p - k * cols_p + jnp.where(rows == c - 1, last, 0.0))
+    return db + jnp.sum(k * eG * dR1, axis=1, keepdims=True)
+
+  db_ref[...] = blocks(kdim, per_k_block, db)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
+def intra_bwd(q, k, v, G, b, d, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
+  """The VJP of ``intra``: ``(dq, dk, dv, dG, db)`` (float32, shaped like q, k, v, G, b) for
+  the cotangent ``d`` (a ``reference.kda.Intra``; P's upper triangle is ignored)."""
+  lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
+  bk = min(bk, kdim, vdim)
+  if kdim % bk or vdim % bk:
+    raise ValueError(f"K={kdim} and V={vdim} must be multiples of bk={bk}")
+  flat = lambda z: z.reshape(-1, *z.shape[len(lead):])
+  operands = [flat(z) for z in (q, k, v, G)] + [b.reshape(-1, c)] + [
+      flat(z) for z in (d.w, d.U, d.P, d.qg, d.kd)] + [d.dec.reshape(-1, 1, kdim)]
+  count = operands[0].shape[0]
+  spec = lambda *shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
+  in_shapes = [(c, kdim), (c, kdim), (c, vdim), (c, kdim), (c,), (c, kdim), (c, vdim),
+               (c, c), (c, kdim), (c, kdim), (1, kdim)]
+  out_shapes = [(c, kdim), (c, kdim), (c, vdim), (c, kdim), (c,)]
+  outs = pl.pallas_call(
+      functools.partial(_bwd_kernel, dt=dt, bk=bk), grid=(count,),
+      in_specs=[spec(*shape) for shape in in_shapes],
+      out_specs=[spec(*shape) for shape in out_shapes],
+      out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32)
+                 for shape in out_shapes],
+      interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*operands)
+  dq, dk, dv, dG, db = outs
+  return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dG.reshape(G.shape),
+          db.reshape(b.shape))
