@@ -16,10 +16,13 @@ from kda_cases import check_intra_kernels
 
 leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, interpret=True),
                                     bwd=functools.partial(kda_pairs.pairs_bwd, interpret=True))
-fused_interpreted = ref.FusedKernels(
+# The kernels in the interpreter: the scan with the pair leaves, or with the whole stage.
+with_leaves = ref.FusedKernels(
     scan_output=functools.partial(kda_scan.scan_output, interpret=True),
-    pair_leaves=leaves_interpreted,
-    intra=functools.partial(kda_intra.intra, interpret=True))
+    pair_leaves=leaves_interpreted)
+with_intra = with_leaves._replace(
+    intra=functools.partial(kda_intra.intra, interpret=True),
+    intra_bwd=functools.partial(kda_intra.intra_bwd, interpret=True))
 
 
 @pytest.mark.parametrize("n,kd", [(16, 8), (8, 32)])
@@ -52,10 +55,11 @@ def test_intra_kernels_match_reference(c, steep, dt):
                       steep)
 
 
+@pytest.mark.parametrize("fused", [with_leaves, with_intra], ids=["leaves", "intra"])
 @pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
-def test_engine_with_kernels_matches_xla_engine(vd):
-  """The op with the fused forward (and the XLA backward) against the xla engine: output,
-  final state, and gradients of every differentiable input, with a partial last chunk."""
+def test_engine_with_kernels_matches_xla_engine(vd, fused):
+  """The op with the kernels against the xla engine: output, final state, and gradients
+  of every differentiable input, with a partial last chunk."""
   rng = np.random.default_rng(1)
   b, t, h, kd = 2, 80, 2, 16
   f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -72,7 +76,7 @@ def test_engine_with_kernels_matches_xla_engine(vd):
 
   args = (q, k, v, g, beta)
   grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
-  got, want = grad(fused_interpreted, *args), grad(None, *args)
+  got, want = grad(fused, *args), grad(None, *args)
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
 

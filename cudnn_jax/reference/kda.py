@@ -349,12 +349,14 @@ class FusedKernels(NamedTuple):
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs of the forward pass, one sequence per batch row (not
   for packed sequences). ``pair_leaves``: ``PairLeaves`` for the pair sums within 16-token
-  sub-blocks, forward and backward. ``intra(q, k, v, G, b, dt) -> Intra``: the forward
-  pass's intra-chunk stage (per-channel gates; the backward recomputes it in XLA).
+  sub-blocks, forward and backward. ``intra(q, k, v, G, b, dt) -> Intra``: the
+  intra-chunk stage (per-channel gates), and ``intra_bwd(q, k, v, G, b, d, dt) -> (dq, dk,
+  dv, dG, db)`` its VJP; without ``intra_bwd`` the backward recomputes the stage in XLA.
   """
   scan_output: object = None
   pair_leaves: PairLeaves = XLA_LEAVES
   intra: object = None
+  intra_bwd: object = None
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
@@ -394,7 +396,12 @@ def _chunked_bwd(dt, fused, res, cts):
   do, dfinal = cts
   prec = matmul_precision(dt)
   G = _chunk_cumsum(g)
-  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
+  if fused.intra is not None and fused.intra_bwd is not None and G.shape[-1] > 1:
+    with jax.named_scope("kda_intra"):
+      it = fused.intra(q, k, v, G, beta, dt)
+    intra_vjp = lambda d: fused.intra_bwd(q, k, v, G, beta, d, dt)
+  else:
+    it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
