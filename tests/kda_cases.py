@@ -148,7 +148,8 @@ def check_intra_kernels(intra, intra_bwd, c, kd, vd, dt, steep=False, lead=(2, 3
   G = jnp.cumsum(-decay, -2)
   b = jnp.asarray(rng.random(lead + (c, 1)), jnp.float32)
   dt = jnp.dtype(dt)
-  want, vjp = jax.vjp(lambda *a: ref._intra(*a, dt), q, k, v, G, b)  # pylint: disable=protected-access
+  stage = ref._intra  # pylint: disable=protected-access
+  want, vjp = jax.vjp(lambda *a: stage(*a, dt), q, k, v, G, b)
   d = ref.Intra(*(f32(*o.shape[len(lead):]) for o in want))
   got = intra(q, k, v, G, b, dt)
   got_grads = intra_bwd(q, k, v, G, b, d, dt)
