@@ -226,10 +226,10 @@ for _op in ("kda", "gdn"):
 # The pair sums within 16-token sub-blocks, forward and backward, run as one program per
 # sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
 # as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
-# The forward's intra-chunk stage as one kernel, one program per chunk and head
-# (pallas/kda_intra.py, ``FusedKernels.intra``), is plugged in once it beats XLA's stage
-# (`bench/kda.py --intra`): its first form, with whole [C, K] operands in registers, took
-# 6.6 ms on an H200 where XLA's takes 3.9.
+# The intra-chunk stage and its VJP as one kernel each, one program per chunk and head
+# (pallas/kda_intra.py, ``FusedKernels.intra`` and ``intra_bwd``), are plugged in once
+# they beat XLA's (`bench/kda.py --intra`): the forward's first form, with whole [C, K]
+# operands in registers, took 6.6 ms on an H200 where XLA's stage takes 3.9.
 # Opt-in until its forward+backward is timed beside the xla engine's in one run.
 
 
