@@ -211,36 +211,41 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
 #   ("cols"), dG = x dx - y dy.
 
 
-def _pair_grads(x, y, G, x_ref, y_ref, g_ref, cs, W, Wd, Wtd, dt):
-  """("rows", "cols") of the pair matrix of x, y over the columns ``cs`` of K for the
-  cotangent ``W [C, C]`` (lower triangular); ``Wd``, ``Wtd`` the diagonal sub-blocks of W
-  and of W^T (``_diagonal_blocks``)."""
-  c = W.shape[0]
+def _pair_grads(y, G, y_ref, g_ref, cs, pairs, dt):
+  """("rows", "cols") over the columns ``cs`` of K for each ``(x, x_ref, W, Wd, Wtd)`` of
+  ``pairs``: the pair matrix of x and the shared y, its cotangent ``W [C, C]`` (lower
+  triangular), the diagonal sub-blocks of W and of W^T (``_diagonal_blocks``). The decay
+  factors are formed once for all pairs."""
+  c = G.shape[0]
   rows, cols, blk = _iota(c)
   precision = ref.matmul_precision(dt)
   down = jnp.exp(G - _rows_at(g_ref, cs, blk - 1, SUB - 1))  # e^{G_t - G_r}; t >= SUB
-  dx = jnp.zeros(G.shape, jnp.float32)
-  dy = jnp.zeros(G.shape, jnp.float32)
+  zeros = jnp.zeros(G.shape, jnp.float32)
+  grads = [(zeros, zeros)] * len(pairs)
   for i in range(1, c // SUB):
     gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
     up = jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))  # e^{G_r - G_s}, s < SUB i
-    Wi = jnp.where((blk == i) & (cols < SUB * i), W, 0.0).astype(dt)
-    dx = dx + jnp.where(blk == i, down, 0.0) * _dot(Wi, (y * up).astype(dt), precision)
-    x_down = jnp.where(blk == i, x * down, 0.0).astype(dt)
-    dy = dy + up * jax.lax.dot_general(Wi, x_down, (((0,), (0,)), ((), ())),
-                                       precision=precision, preferred_element_type=jnp.float32)
+    y_up = (y * up).astype(dt)
+    down_i = jnp.where(blk == i, down, 0.0)
+    for n, (x, _, W, _, _) in enumerate(pairs):
+      Wi = jnp.where((blk == i) & (cols < SUB * i), W, 0.0).astype(dt)
+      x_down = (x * down_i).astype(dt)
+      W_x = jax.lax.dot_general(Wi, x_down, (((0,), (0,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)  # Wi^T (x down)
+      grads[n] = (grads[n][0] + down_i * _dot(Wi, y_up, precision), grads[n][1] + up * W_x)
 
   # Inside sub-blocks: token t with s = SUB blk(t) + j (t >= s) for "rows", and token s
   # with t = SUB blk(s) + j (t >= s) for "cols".
-  def column(j, d):
+  def column(j, grads):
     pos = SUB * blk + j
     Gj = _rows_at(g_ref, cs, blk, j)
-    after = jnp.exp(jnp.where(rows >= pos, G - Gj, -jnp.inf))   # e^{G_t - G_pos}
+    y_after = _rows_at(y_ref, cs, blk, j) * jnp.exp(jnp.where(rows >= pos, G - Gj, -jnp.inf))
     before = jnp.exp(jnp.where(rows <= pos, Gj - G, -jnp.inf))  # e^{G_pos - G_s}
-    return (d[0] + _column(Wd, j) * _rows_at(y_ref, cs, blk, j) * after,
-            d[1] + _column(Wtd, j) * _rows_at(x_ref, cs, blk, j) * before)
+    return [(dx + _column(Wd, j) * y_after,
+             dy + _column(Wtd, j) * _rows_at(x_ref, cs, blk, j) * before)
+            for (dx, dy), (_, x_ref, _, Wd, Wtd) in zip(grads, pairs)]
 
-  return jax.lax.fori_loop(0, SUB, column, (dx, dy))
+  return jax.lax.fori_loop(0, SUB, column, grads)
 
 
 def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_ref, dkd_ref,
@@ -293,8 +298,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_r
     decay = jnp.exp(g_last - G)  # e^{G_C - G}
     dR1 = dot_t(D, dw_ref[:, cs])
     dqg, dkd = dqg_ref[:, cs], dkd_ref[:, cs]
-    rows_a, cols_a = _pair_grads(k, k, G, k_ref, k_ref, g_ref, cs, WA, WAd, WAtd, dt)
-    rows_p, cols_p = _pair_grads(q, k, G, q_ref, k_ref, g_ref, cs, WP, WPd, WPtd, dt)
+    (rows_a, cols_a), (rows_p, cols_p) = _pair_grads(
+        k, G, k_ref, g_ref, cs, [(k, k_ref, WA, WAd, WAtd), (q, q_ref, WP, WPd, WPtd)], dt)
     dq_ref[:, cs] = eG * dqg + rows_p
     dk_ref[:, cs] = b * eG * dR1 + decay * dkd + rows_a + cols_a + cols_p
     kd_dkd = k * decay * dkd
