@@ -54,6 +54,12 @@ def _rows_at(ref_, cs, blk, offset):
   return out
 
 
+def _by_blocks(n, bk, body, init=None):
+  """``body(cs, carry)`` over the column blocks ``cs`` (bk wide) of n columns, in order."""
+  return jax.lax.fori_loop(
+      0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
+
+
 def _iota(c):
   rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   return rows, jax.lax.broadcasted_iota(jnp.int32, (1, c), 1), rows // SUB
@@ -150,12 +156,11 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
             w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk):
   c, kdim = k_ref.shape
   solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
-  blocks = lambda n, body, init=None: jax.lax.fori_loop(
-      0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
+  blocks = functools.partial(_by_blocks, bk=bk)
 
   square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
-  A, P, Ad, Pd = blocks(kdim, lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums),
-                        (square, square, inner, inner))
+  pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
+  A, P, Ad, Pd = blocks(kdim, body=pair_sums, init=(square, square, inner, inner))
   A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
   p_ref[...] = P
   b = b_ref[...][:, None]
@@ -173,8 +178,28 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
   def per_v_block(cs, _):
     u_ref[:, cs] = _dot(D, b * v_ref[:, cs], solve_precision)
 
-  blocks(kdim, per_k_block)
-  blocks(v_ref.shape[1], per_v_block)
+  blocks(kdim, body=per_k_block)
+  blocks(v_ref.shape[1], body=per_v_block)
+
+
+def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
+  """``kernel`` (dt and bk bound) over the chunks of ``operands`` ``[..., C, *]`` (the
+  leading axes those of the first), one program each; float32 outputs ``[n, *shape]``."""
+  kdim, vdim = operands[0].shape[-1], operands[2].shape[-1]  # q, k, v, ...
+  bk = min(bk, kdim, vdim)
+  if kdim % bk or vdim % bk:
+    raise ValueError(f"K={kdim} and V={vdim} must be multiples of bk={bk}")
+  lead = operands[0].ndim - 2
+  flat = [z.reshape(-1, *z.shape[lead:]) for z in operands]
+  count = flat[0].shape[0]
+  spec = lambda shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
+  return pl.pallas_call(
+      functools.partial(kernel, dt=dt, bk=bk), grid=(count,),
+      in_specs=[spec(z.shape[1:]) for z in flat],
+      out_specs=[spec(shape) for shape in out_shapes],
+      out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32) for shape in out_shapes],
+      interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*flat)
 
 
 @functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
@@ -184,20 +209,9 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
   pair products' operand dtype. C a power of two, K and V multiples of ``bk`` (at most
   BK), C and ``bk`` at least 16."""
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
-  bk = min(bk, kdim, vdim)
-  if kdim % bk or vdim % bk:
-    raise ValueError(f"K={kdim} and V={vdim} must be multiples of bk={bk}")
-  flat = [z.reshape(-1, *z.shape[-2:]) for z in (q, k, v, G)] + [b.reshape(-1, c)]
-  count = flat[0].shape[0]
-  spec = lambda *shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
-  outs = pl.pallas_call(
-      functools.partial(_kernel, dt=dt, bk=bk), grid=(count,),
-      in_specs=[spec(c, kdim), spec(c, kdim), spec(c, vdim), spec(c, kdim), spec(c)],
-      out_specs=[spec(*shape) for shape in shapes],
-      out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32) for shape in shapes],
-      interpret=interpret,
-      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*flat)
+  outs = _per_chunk(_kernel, (q, k, v, G, b[..., 0]), shapes, dt=dt, bk=bk,
+                    interpret=interpret, num_warps=num_warps)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])
 
@@ -256,14 +270,13 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_r
   dot_t = lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                                            precision=solve_precision,
                                            preferred_element_type=jnp.float32)  # a^T b
-  blocks = lambda n, body, init=None: jax.lax.fori_loop(
-      0, n // bk, lambda i, x: body(pl.ds(pl.multiple_of(i * bk, bk), bk), x), init)
+  blocks = functools.partial(_by_blocks, bk=bk)
   b = b_ref[...][:, None]
 
   # The forward's A and inverse, recomputed.
   square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
-  A, _, Ad, _ = blocks(kdim, lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums),
-                       (square, None, inner, None))
+  pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
+  A, _, Ad, _ = blocks(kdim, body=pair_sums, init=(square, None, inner, None))
   A = _on_diagonal_blocks(A, Ad)
   D = _unit_lower_inverse(b * A, solve_precision)
 
@@ -282,8 +295,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_r
     return (S + _dot(dR2, U, solve_precision, transpose_b=True),
             db + jnp.sum(v * dR2, axis=1, keepdims=True))
 
-  S = blocks(kdim, k_outer, square)
-  S, db = blocks(v_ref.shape[1], v_outer, (S, jnp.zeros((c, 1), jnp.float32)))
+  S = blocks(kdim, body=k_outer, init=square)
+  S, db = blocks(v_ref.shape[1], body=v_outer, init=(S, jnp.zeros((c, 1), jnp.float32)))
   dN = jnp.where(rows > cols, -S, 0.0)
   db = db + jnp.sum(dN * A, axis=1, keepdims=True)
   WA = b * dN
@@ -308,33 +321,18 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dp_ref, dqg_r
                      + q * rows_p - k * cols_p + jnp.where(rows == c - 1, last, 0.0))
     return db + jnp.sum(k * eG * dR1, axis=1, keepdims=True)
 
-  db_ref[...] = blocks(kdim, per_k_block, db)[:, 0]
+  db_ref[...] = blocks(kdim, body=per_k_block, init=db)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
 def intra_bwd(q, k, v, G, b, d, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
   """The VJP of ``intra``: ``(dq, dk, dv, dG, db)`` (float32, shaped like q, k, v, G, b) for
   the cotangent ``d`` (a ``reference.kda.Intra``; P's upper triangle is ignored)."""
-  lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
-  bk = min(bk, kdim, vdim)
-  if kdim % bk or vdim % bk:
-    raise ValueError(f"K={kdim} and V={vdim} must be multiples of bk={bk}")
-  flat = lambda z: z.reshape(-1, *z.shape[len(lead):])
-  operands = [flat(z) for z in (q, k, v, G)] + [b.reshape(-1, c)] + [
-      flat(z) for z in (d.w, d.U, d.P, d.qg, d.kd)] + [d.dec.reshape(-1, 1, kdim)]
-  count = operands[0].shape[0]
-  spec = lambda *shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
-  in_shapes = [(c, kdim), (c, kdim), (c, vdim), (c, kdim), (c,), (c, kdim), (c, vdim),
-               (c, c), (c, kdim), (c, kdim), (1, kdim)]
+  (c, kdim), vdim = q.shape[-2:], v.shape[-1]
   out_shapes = [(c, kdim), (c, kdim), (c, vdim), (c, kdim), (c,)]
-  outs = pl.pallas_call(
-      functools.partial(_bwd_kernel, dt=dt, bk=bk), grid=(count,),
-      in_specs=[spec(*shape) for shape in in_shapes],
-      out_specs=[spec(*shape) for shape in out_shapes],
-      out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32)
-                 for shape in out_shapes],
-      interpret=interpret,
-      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*operands)
+  outs = _per_chunk(_bwd_kernel, (q, k, v, G, b[..., 0], d.w, d.U, d.P, d.qg, d.kd,
+                                  d.dec[..., None, :]),
+                    out_shapes, dt=dt, bk=bk, interpret=interpret, num_warps=num_warps)
   dq, dk, dv, dG, db = outs
   return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dG.reshape(G.shape),
           db.reshape(b.shape))
