@@ -217,12 +217,14 @@ for _op in ("kda", "gdn"):
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cute", our own GPU kernels: for now the xla engine with two stages as Pallas kernels
+# "cute", our own GPU kernels: for now the xla engine with stages as Pallas kernels
 # compiled by XLA through Triton. The forward's state recurrence and outputs run as one
 # kernel, one program per sequence, head and 64 value columns (pallas/kda_scan.py; packed
 # sequences keep the XLA scan): 0.8 ms on an H200 at B=8 T=4096 H=16 K=V=128, where the
 # XLA scan and output stages take 2.6 ms (whole forward 6.6 ms, forward+backward 21.7,
-# before the pair kernels below).
+# before the pair kernels below). The backward's recurrence runs the same way, in reverse
+# (kda_scan.scan_bwd; not yet timed), where XLA's scan took 2.5 ms and about 1.1 ms more
+# slicing each step's operands out of the stacked chunks.
 # The pair sums within 16-token sub-blocks, forward and backward, run as one program per
 # sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
 # as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
@@ -247,6 +249,7 @@ def _run_fused(call: KdaCall, x: KdaInputs):
   from cudnn_jax.pallas import kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   return _run_xla(call, x, fused=ref.FusedKernels(scan_output=kda_scan.scan_output,
+                                                  scan_bwd=kda_scan.scan_bwd,
                                                   pair_leaves=kda_pairs.LEAVES))
 
 

@@ -19,6 +19,7 @@ leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, inter
 # The kernels in the interpreter: the scan with the pair leaves, or with the whole stage.
 with_leaves = ref.FusedKernels(
     scan_output=functools.partial(kda_scan.scan_output, interpret=True),
+    scan_bwd=functools.partial(kda_scan.scan_bwd, interpret=True),
     pair_leaves=leaves_interpreted)
 with_intra = with_leaves._replace(
     intra=functools.partial(kda_intra.intra, interpret=True),
@@ -112,6 +113,9 @@ def test_kernels_lower_to_triton_for_sm90():
     scan = export(jax.jit(kda_scan.scan_output))(
         s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, d),
         s(nc, b, hv, c, d), s(nc, b, hv, c, c), s(b, hv, d, d))
+    scan_bwd = export(jax.jit(kda_scan.scan_bwd))(
+        s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d),
+        s(nc, b, hv, d), s(nc, b, hv, c, c), s(b, hv, d, d))
     block = s(nc, b, hv, c // 16, 16, d)
     pairs = export(kda_pairs.pairs)(block, block, block)
     pairs_bwd = export(kda_pairs.pairs_bwd)(s(nc, b, hv, c // 16, 16, 16), block, block, block)
@@ -126,5 +130,5 @@ def test_kernels_lower_to_triton_for_sm90():
         chunk, chunk, chunk, chunk, beta, cotangent)
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  for exported in (scan, pairs, pairs_bwd, intra, intra_bwd):
+  for exported in (scan, scan_bwd, pairs, pairs_bwd, intra, intra_bwd):
     assert "xla.gpu.triton" in exported.mlir_module()

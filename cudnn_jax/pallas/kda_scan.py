@@ -1,14 +1,21 @@
-"""KDA's state recurrence over chunks and the chunk outputs, as one Pallas (Triton) kernel.
+"""KDA's state recurrence over chunks, forward (with the chunk outputs) and backward, as
+Pallas (Triton) kernels.
 
-One program per (sequence, value head, block of BV value columns) walks the chunks in
-order with its slice of the state ``S [K, BV]`` (float32) in registers:
+Forward: one program per (sequence, value head, block of BV value columns) walks the
+chunks in order with its slice of the state ``S [K, BV]`` (float32) in registers:
 
     u   = U - w S                      (the chunk's corrected writes)
     o   = (q e^G) S + P u              (the chunk's outputs)
     S  <- diag(e^{G_C}) S + (k e^{G_C - G})^T u
 
 the ``_state_scan`` and output stage of ``reference.kda`` (one sequence per batch row; no
-packed sequences), writing the chunk-entry states the backward pass reads.
+packed sequences), writing the chunk-entry states the backward pass reads. Backward: the
+same programs walk the chunks in reverse with the gradient dS of the chunk's exit state:
+
+    du  = P^T do + (k e^{G_C - G}) dS
+    dS <- (q e^G)^T do - w^T du + diag(e^{G_C}) dS
+
+the scan of ``reference.kda``'s backward, writing each chunk's dS and du.
 """
 
 from __future__ import annotations
@@ -65,3 +72,45 @@ def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, interpret=False):
       compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
                                                num_stages=NUM_STAGES))(
           w, U, kd, dec, qg, P, init)
+
+
+def _bwd_kernel(do_ref, qg_ref, w_ref, kd_ref, dec_ref, p_ref, dfinal_ref,
+                ds_ref, du_ref, dinit_ref, *, bv, precision):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * bv, bv)
+  dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+  last = w_ref.shape[0] - 1
+
+  def step(n, dS):
+    i = last - n
+    ds_ref[i, b, h, :, cols] = dS
+    do = do_ref[i, b, h, :, cols]
+    du = dot(p_ref[i, b, h].T, do) + dot(kd_ref[i, b, h], dS)
+    du_ref[i, b, h, :, cols] = du
+    return (dot(qg_ref[i, b, h].T, do) - dot(w_ref[i, b, h].T, du)
+            + dec_ref[i, b, h][:, None] * dS)
+
+  dinit_ref[b, h, :, cols] = jax.lax.fori_loop(0, last + 1, step,
+                                               dfinal_ref[b, h, :, cols])
+
+
+@functools.partial(jax.jit, static_argnames=("precision", "interpret"))
+def scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision=None, interpret=False):
+  """``(dS [NC,B,HV,K,V], du [NC,B,HV,C,V], dinit [B,HV,K,V])`` float32: the gradients of
+  the chunk-exit states, of the chunks' corrected writes, and of the initial states.
+
+  do [NC,B,HV,C,V]; qg, w, kd [NC,B,HV,C,K]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; dfinal
+  [B,HV,K,V]. V a multiple of BV, or at most BV; ``precision`` as for ``scan_output``."""
+  nc, b, hv, c, v = do.shape
+  bv = min(BV, v)
+  if v % bv:
+    raise ValueError(f"V={v} is not a multiple of {bv}")
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_bwd_kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
+      out_shape=[f32(nc, *dfinal.shape), f32(nc, b, hv, c, v), f32(*dfinal.shape)],
+      in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec] * 3,
+      interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
+                                               num_stages=NUM_STAGES))(
+          do, qg, w, kd, dec, P, dfinal)

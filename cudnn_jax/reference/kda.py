@@ -348,12 +348,14 @@ class FusedKernels(NamedTuple):
 
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs of the forward pass, one sequence per batch row (not
-  for packed sequences). ``pair_leaves``: ``PairLeaves`` for the pair sums within 16-token
-  sub-blocks, forward and backward. ``intra(q, k, v, G, b, dt) -> Intra``: the
+  for packed sequences). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
+  du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
+  for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G, b, dt) -> Intra``: the
   intra-chunk stage (per-channel gates), and ``intra_bwd(q, k, v, G, b, d, dt) -> (dq, dk,
   dv, dG, db)`` its VJP; without ``intra_bwd`` the backward recomputes the stage in XLA.
   """
   scan_output: object = None
+  scan_bwd: object = None
   pair_leaves: PairLeaves = XLA_LEAVES
   intra: object = None
   intra_bwd: object = None
@@ -417,8 +419,11 @@ def _chunked_bwd(dt, fused, res, cts):
     return (dS_in, dinit), dS
 
   xs = (do, it.qg, it.w, it.kd, it.dec, it.P)  # dS_out below: grads of chunk-exit states
+  du = None  # the kernel gives it; the XLA scan leaves it to the output stage
   with jax.named_scope("kda_state_scan_bwd"):
-    if seg is None:
+    if fused.scan_bwd is not None and seg is None:
+      dS_out, du, dinit = fused.scan_bwd(*xs, dfinal, precision=prec)
+    elif seg is None:
       (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
     else:
       xs += tuple(seg[:3])
@@ -428,7 +433,8 @@ def _chunked_bwd(dt, fused, res, cts):
 
   with jax.named_scope("kda_output_bwd"):
     u = it.U - jnp.matmul(it.w, S, precision=prec)
-    du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
+    if du is None:
+      du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
     d = Intra(w=-_mm(du, S.mT, dt), U=du,
               P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
               qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
