@@ -59,19 +59,26 @@ def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, interpret=False):
   [B,HV,K,V]. V must be a multiple of BV, or at most BV (one block). ``precision`` of the
   products (None: the backend's default, TF32 on NVIDIA GPUs for float32 operands)."""
   nc, b, hv, c, _ = w.shape
-  v = U.shape[-1]
+  out_shapes = [(nc, b, hv, c, U.shape[-1]), (nc, *init.shape), init.shape]
+  return _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), out_shapes,
+                          precision=precision, interpret=interpret)
+
+
+def _per_value_block(kernel, operands, out_shapes, *, precision, interpret):
+  """``kernel`` (bv and precision bound) on whole-array refs, one program per (sequence,
+  head, BV value columns); the last operand is ``[B, HV, K, V]``. Float32 outputs."""
+  b, hv, _, v = operands[-1].shape
   bv = min(BV, v)
   if v % bv:
     raise ValueError(f"V={v} is not a multiple of {bv}")
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   return pl.pallas_call(
-      functools.partial(_kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
-      out_shape=[f32(nc, b, hv, c, v), f32(nc, *init.shape), f32(*init.shape)],
-      in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec] * 3,
+      functools.partial(kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes],
+      in_specs=[pl.no_block_spec] * len(operands),
+      out_specs=[pl.no_block_spec] * len(out_shapes),
       interpret=interpret,
       compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
-                                               num_stages=NUM_STAGES))(
-          w, U, kd, dec, qg, P, init)
+                                               num_stages=NUM_STAGES))(*operands)
 
 
 def _bwd_kernel(do_ref, qg_ref, w_ref, kd_ref, dec_ref, p_ref, dfinal_ref,
@@ -102,15 +109,6 @@ def scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision=None, interpret=False):
   do [NC,B,HV,C,V]; qg, w, kd [NC,B,HV,C,K]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; dfinal
   [B,HV,K,V]. V a multiple of BV, or at most BV; ``precision`` as for ``scan_output``."""
   nc, b, hv, c, v = do.shape
-  bv = min(BV, v)
-  if v % bv:
-    raise ValueError(f"V={v} is not a multiple of {bv}")
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  return pl.pallas_call(
-      functools.partial(_bwd_kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
-      out_shape=[f32(nc, *dfinal.shape), f32(nc, b, hv, c, v), f32(*dfinal.shape)],
-      in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec] * 3,
-      interpret=interpret,
-      compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
-                                               num_stages=NUM_STAGES))(
-          do, qg, w, kd, dec, P, dfinal)
+  out_shapes = [(nc, *dfinal.shape), (nc, b, hv, c, v), dfinal.shape]
+  return _per_value_block(_bwd_kernel, (do, qg, w, kd, dec, P, dfinal), out_shapes,
+                          precision=precision, interpret=interpret)
