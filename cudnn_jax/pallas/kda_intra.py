@@ -105,14 +105,18 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
   return A, P, Ad, Pd
 
 
+def _column(Md, j):
+  """Column j of ``Md [C, SUB]``: [C, 1]."""
+  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+  return jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
+
+
 def _on_diagonal_blocks(M, Md):
   """M plus ``Md [C, SUB]`` laid out on the diagonal sub-blocks: ``M[t, SUB blk(t) + j]
   += Md[t, j]``."""
   _, cols, blk = _iota(M.shape[0])
-  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
   for j in range(SUB):
-    column = jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
-    M = M + jnp.where(cols == SUB * blk + j, column, 0.0)
+    M = M + jnp.where(cols == SUB * blk + j, _column(Md, j), 0.0)
   return M
 
 
@@ -125,12 +129,6 @@ def _diagonal_blocks(M):
     column = jnp.sum(jnp.where(cols == SUB * blk + j, M, 0.0), axis=1, keepdims=True)
     Md = Md + jnp.where(j_cols == j, column, 0.0)
   return Md
-
-
-def _column(Md, j):
-  """Column j of ``Md [C, SUB]``: [C, 1]."""
-  j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
-  return jnp.sum(jnp.where(j_cols == j, Md, 0.0), axis=1, keepdims=True)
 
 
 def _unit_lower_inverse(N, precision):
