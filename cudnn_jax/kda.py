@@ -228,10 +228,10 @@ for _op in ("kda", "gdn"):
 # The pair sums within 16-token sub-blocks, forward and backward, run as one program per
 # sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
 # as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
-# The intra-chunk stage and its VJP as one kernel each, one program per chunk and head
-# (pallas/kda_intra.py, ``FusedKernels.intra`` and ``intra_bwd``), are plugged in once
-# they beat XLA's (`bench/kda.py --intra`): the forward's first form, with whole [C, K]
-# operands in registers, took 6.6 ms on an H200 where XLA's stage takes 3.9.
+# The forward's intra-chunk stage runs as one kernel, one program per chunk and head
+# (pallas/kda_intra.py): 2.6 ms where XLA's stage takes 3.9 (`bench/kda.py --intra`). Its
+# VJP as one kernel (``kda_intra.intra_bwd``) took 14.8 ms where jax.vjp of XLA's stage,
+# recompute included, takes 10.2, so the backward keeps XLA's.
 # Opt-in until its forward+backward is timed beside the xla engine's in one run.
 
 
@@ -246,11 +246,12 @@ def _supports_fused(call: KdaCall) -> str | None:
 
 
 def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.pallas import kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.pallas import kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   return _run_xla(call, x, fused=ref.FusedKernels(scan_output=kda_scan.scan_output,
                                                   scan_bwd=kda_scan.scan_bwd,
-                                                  pair_leaves=kda_pairs.LEAVES))
+                                                  pair_leaves=kda_pairs.LEAVES,
+                                                  intra=kda_intra.intra))
 
 
 engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused, opt_in=True)

@@ -31,7 +31,7 @@ from cudnn_jax.reference import kda as ref
 
 SUB = 16  # tokens per sub-block
 BK = 32  # columns of K (and V) per step: [C, BK] float32 operands stay in registers
-NUM_WARPS = 8
+NUM_WARPS = 4  # fastest on an H200 at K = V = 128 (bench/kda.py --intra)
 # Products of the inverse: the reference's are float32 (HIGHEST). Three bfloat16 products
 # of the split operands keep about 16 bits of each, the rest being far below what the
 # bfloat16 inputs carry; float32 inputs get the six-product split.
