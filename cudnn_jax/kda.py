@@ -229,10 +229,11 @@ for _op in ("kda", "gdn"):
 # sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
 # as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
 # The forward's intra-chunk stage runs as one kernel, one program per chunk and head
-# (pallas/kda_intra.py): 2.6 ms where XLA's stage takes 3.9 (`bench/kda.py --intra`). Its
-# VJP as one kernel (``kda_intra.intra_bwd``) took 14.8 ms where jax.vjp of XLA's stage,
-# recompute included, takes 10.2, so the backward keeps XLA's.
-# Opt-in until its forward+backward is timed beside the xla engine's in one run.
+# (pallas/kda_intra.py): 2.6 ms where XLA's stage takes 3.9 (`bench/kda.py --intra`). A
+# kernel for its VJP took 14.8 ms where jax.vjp of XLA's stage, recompute included, takes
+# 10.2, so the backward differentiates XLA's. Whole op at B=8 T=4096 H=16 K=V=128 bf16:
+# forward 4.9 ms, forward+backward 19.9 (xla engine: 6.6 and 21.7).
+# Opt-in until it is timed beside the xla engine at every benchmark shape.
 
 
 def _supports_fused(call: KdaCall) -> str | None:

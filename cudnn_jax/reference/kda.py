@@ -351,29 +351,23 @@ class FusedKernels(NamedTuple):
   for packed sequences). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
   du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
   for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G,
-  b, dt) -> Intra``: the intra-chunk stage (per-channel gates), and ``intra_bwd(q, k, v,
-  G, b, d, dt) -> (dq, dk, dv, dG, db)`` its VJP; without ``intra_bwd`` the backward
-  differentiates the XLA stage.
+  b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
+  recomputes and differentiates the XLA stage.
   """
   scan_output: object = None
   scan_bwd: object = None
   pair_leaves: PairLeaves = XLA_LEAVES
   intra: object = None
-  intra_bwd: object = None
-
-
-def _intra_stage(fused, q, k, v, G, beta, dt):
-  """``_intra``, on ``fused.intra`` where it serves (per-channel gates)."""
-  if fused.intra is not None and G.shape[-1] > 1:
-    with jax.named_scope("kda_intra"):
-      return fused.intra(q, k, v, G, beta, dt)
-  return _intra(q, k, v, G, beta, dt, fused.pair_leaves)
 
 
 def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
   fused = fused or FusedKernels()
   G = _chunk_cumsum(g)
-  it = _intra_stage(fused, q, k, v, G, beta, dt)
+  if fused.intra is not None and G.shape[-1] > 1:  # the kernel: per-channel gates
+    with jax.named_scope("kda_intra"):
+      it = fused.intra(q, k, v, G, beta, dt)
+  else:
+    it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
                                     precision=matmul_precision(dt))
@@ -402,11 +396,7 @@ def _chunked_bwd(dt, fused, res, cts):
   do, dfinal = cts
   prec = matmul_precision(dt)
   G = _chunk_cumsum(g)
-  if fused.intra_bwd is not None and G.shape[-1] > 1:
-    it = _intra_stage(fused, q, k, v, G, beta, dt)
-    intra_vjp = lambda d: fused.intra_bwd(q, k, v, G, beta, d, dt)
-  else:
-    it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
+  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
