@@ -11,8 +11,10 @@ For one chunk of C tokens (q scaled, k and the cumulative log decays G ``[C, K]`
 Tokens t and s of different 16-token sub-blocks are paired through a reference token r
 between them, the last token of the sub-block before t's: ``(k_t e^{G_t - G_r}) .
 (k_s e^{G_r - G_s})``, both factors at most 1, as tensor-core products. Pairs inside a
-sub-block are summed directly, one column s at a time, each ``e^{G_t - G_s}`` formed once
-for the k-k and the q-k pair. ``I + beta A`` is inverted by doubling its inverted diagonal
+sub-block are either summed directly, one column s at a time, each ``e^{G_t - G_s}``
+formed once for the k-k and the q-k pair (``pairs="columns"``), or paired the same way as
+across sub-blocks, level by level down to single tokens, as the reference does
+(``pairs="levels"``: the reference's rounding points, more but smaller products). ``I + beta A`` is inverted by doubling its inverted diagonal
 blocks, as the reference does, with every product of that inverse in about float32
 accuracy (three bfloat16 products per product). Every step reads BK columns of K (or V)
 at a time, so that its operands stay in registers.
@@ -32,6 +34,7 @@ from cudnn_jax.reference import kda as ref
 SUB = 16  # tokens per sub-block
 BK = 32  # columns of K (and V) per step: [C, BK] float32 operands stay in registers
 NUM_WARPS = 4  # fastest on an H200 at K = V = 128 (bench/kda.py --intra)
+PAIRS = "columns"
 # Products of the inverse: the reference's are float32 (HIGHEST). Three bfloat16 products
 # of the split operands keep about 16 bits of each, the rest being far below what the
 # bfloat16 inputs carry; float32 inputs get the six-product split.
@@ -105,6 +108,46 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
   return A, P, Ad, Pd
 
 
+def _rows_of_blocks(ref_, cs, n, offset):
+  """[C, len(cs)]: row t holds ``ref_[n (t // n) + offset, cs]`` (a row of t's n-block)."""
+  c = ref_.shape[0]
+  if n == c:
+    return ref_[pl.ds(offset, 1), cs]
+  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  out = None
+  for i in range(c // n):
+    row = ref_[pl.ds(n * i + offset, 1), cs]
+    out = row if out is None else jnp.where(rows // n == i, row, out)
+  return out
+
+
+def _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums):
+  """``sums`` plus all the pair sums over the columns ``cs`` of K: ``(A, P)``, each
+  ``[C, C]``, by the reference's hierarchy (``reference.kda._levels``, e.g. 64/16, 16/4,
+  4/1): on level (n, h), token t of h-group i of its n-block pairs with the tokens s of
+  the earlier groups through r, the last token of group i - 1: ``(x_t e^{G_t - G_r}) .
+  (k_s e^{G_r - G_s})``, both factors at most 1, as tensor-core products of [C, BK]
+  operands (pairs of different n-blocks masked out)."""
+  A, P = sums
+  c = k_ref.shape[0]
+  q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
+  rows, cols, _ = _iota(c)
+  precision = ref.matmul_precision(dt)
+  for n, h in ref._levels(c):  # pylint: disable=protected-access
+    pos = rows % n
+    for i in range(1, n // h):
+      gr = _rows_of_blocks(g_ref, cs, n, h * i - 1)
+      down = jnp.exp(jnp.where(pos // h == i, G - gr, -jnp.inf))  # rows of group i
+      kr = (k * jnp.exp(jnp.where(pos < h * i, gr - G, -jnp.inf))).astype(dt)
+      kk = _dot((k * down).astype(dt), kr, precision, transpose_b=True)
+      qk = _dot((q * down).astype(dt), kr, precision, transpose_b=True)
+      if n < c:
+        same = rows // n == cols // n
+        kk, qk = jnp.where(same, kk, 0.0), jnp.where(same, qk, 0.0)
+      A, P = A + kk, P + qk
+  return A, P + jnp.where(rows == cols, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+
+
 def _column(Md, j):
   """Column j of ``Md [C, SUB]``: [C, 1]."""
   j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
@@ -140,15 +183,19 @@ def _unit_lower_inverse(N, precision):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
-            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk):
+            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk, pairs):
   c, kdim = k_ref.shape
   solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
   blocks = functools.partial(_by_blocks, bk=bk)
 
   square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
-  pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
-  A, P, Ad, Pd = blocks(kdim, body=pair_sums, init=(square, square, inner, inner))
-  A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
+  if pairs == "levels":
+    pair_sums = lambda cs, sums: _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums)
+    A, P = blocks(kdim, body=pair_sums, init=(square, square))
+  else:
+    pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
+    A, P, Ad, Pd = blocks(kdim, body=pair_sums, init=(square, square, inner, inner))
+    A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
   p_ref[...] = P
   b = b_ref[...][:, None]
   D = _unit_lower_inverse(b * A, solve_precision)
@@ -169,9 +216,10 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
   blocks(v_ref.shape[1], body=per_v_block)
 
 
-def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
-  """``kernel`` (dt and bk bound) over the chunks of ``operands`` ``[..., C, *]`` (the
-  leading axes those of the first), one program each; float32 outputs ``[n, *shape]``."""
+def _per_chunk(kernel, operands, out_shapes, *, bk, interpret, num_warps, **options):
+  """``kernel`` (bk and options bound) over the chunks of ``operands`` ``[..., C, *]``
+  (the leading axes those of the first), one program each; float32 outputs ``[n,
+  *shape]``."""
   kdim, vdim = operands[0].shape[-1], operands[2].shape[-1]  # q, k, v, ...
   bk = min(bk, kdim, vdim)
   if kdim % bk or vdim % bk:
@@ -181,7 +229,7 @@ def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
   count = flat[0].shape[0]
   spec = lambda shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
   return pl.pallas_call(
-      functools.partial(kernel, dt=dt, bk=bk), grid=(count,),
+      functools.partial(kernel, bk=bk, **options), grid=(count,),
       in_specs=[spec(z.shape[1:]) for z in flat],
       out_specs=[spec(shape) for shape in out_shapes],
       out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32) for shape in out_shapes],
@@ -189,15 +237,19 @@ def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*flat)
 
 
-@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
-def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
+@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk", "pairs"))
+def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK, pairs=PAIRS):
   """``reference.kda.Intra`` (float32) of chunks ``[..., C, D]``: q, k, G ``[..., C, K]``
   (G per channel), v ``[..., C, V]``, b (beta) ``[..., C, 1]``, all float32; ``dt`` the
   pair products' operand dtype. C a power of two, K and V multiples of ``bk`` (at most
-  BK), C and ``bk`` at least 16."""
+  BK), C and ``bk`` at least 16. ``pairs``: "columns" (pairs inside 16-token sub-blocks
+  summed one partner column at a time) or "levels" (all pairs as tensor-core products,
+  level by level)."""
+  if pairs not in ("columns", "levels"):
+    raise ValueError(f"pairs: expected 'columns' or 'levels', got {pairs!r}")
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
-  outs = _per_chunk(_kernel, (q, k, v, G, b[..., 0]), shapes, dt=dt, bk=bk,
+  outs = _per_chunk(_kernel, (q, k, v, G, b[..., 0]), shapes, dt=dt, bk=bk, pairs=pairs,
                     interpret=interpret, num_warps=num_warps)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])
