@@ -48,11 +48,11 @@ def _dot(a, b, precision, transpose_b=False):
                              preferred_element_type=jnp.float32)
 
 
-def _rows_at(ref_, cs, blk, offset):
-  """[C, len(cs)]: row t holds ``ref_[SUB * blk(t) + offset, cs]``."""
+def _rows_at(ref_, cs, blk, offset, n=SUB):
+  """[C, len(cs)]: row t holds ``ref_[n * blk(t) + offset, cs]`` (blk [C, 1])."""
   out = None
-  for i in range(ref_.shape[0] // SUB):
-    row = ref_[pl.ds(SUB * i + offset, 1), cs]
+  for i in range(ref_.shape[0] // n):
+    row = ref_[pl.ds(n * i + offset, 1), cs]
     out = row if out is None else jnp.where(blk == i, row, out)
   return out
 
@@ -108,19 +108,6 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
   return A, P, Ad, Pd
 
 
-def _rows_of_blocks(ref_, cs, n, offset):
-  """[C, len(cs)]: row t holds ``ref_[n (t // n) + offset, cs]`` (a row of t's n-block)."""
-  c = ref_.shape[0]
-  if n == c:
-    return ref_[pl.ds(offset, 1), cs]
-  rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-  out = None
-  for i in range(c // n):
-    row = ref_[pl.ds(n * i + offset, 1), cs]
-    out = row if out is None else jnp.where(rows // n == i, row, out)
-  return out
-
-
 def _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums):
   """``sums`` plus all the pair sums over the columns ``cs`` of K: ``(A, P)``, each
   ``[C, C]``, by the reference's hierarchy (``reference.kda._levels``, e.g. 64/16, 16/4,
@@ -136,7 +123,8 @@ def _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums):
   for n, h in ref._levels(c):  # pylint: disable=protected-access
     pos = rows % n
     for i in range(1, n // h):
-      gr = _rows_of_blocks(g_ref, cs, n, h * i - 1)
+      r = h * i - 1  # in t's n-block
+      gr = g_ref[pl.ds(r, 1), cs] if n == c else _rows_at(g_ref, cs, rows // n, r, n)
       down = jnp.exp(jnp.where(pos // h == i, G - gr, -jnp.inf))  # rows of group i
       kr = (k * jnp.exp(jnp.where(pos < h * i, gr - G, -jnp.inf))).astype(dt)
       kk = _dot((k * down).astype(dt), kr, precision, transpose_b=True)
