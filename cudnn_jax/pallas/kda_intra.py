@@ -14,10 +14,11 @@ between them, the last token of the sub-block before t's: ``(k_t e^{G_t - G_r}) 
 sub-block are either summed directly, one column s at a time, each ``e^{G_t - G_s}``
 formed once for the k-k and the q-k pair (``pairs="columns"``), or paired the same way as
 across sub-blocks, level by level down to single tokens, as the reference does
-(``pairs="levels"``: the reference's rounding points, more but smaller products). ``I + beta A`` is inverted by doubling its inverted diagonal
-blocks, as the reference does, with every product of that inverse in about float32
-accuracy (three bfloat16 products per product). Every step reads BK columns of K (or V)
-at a time, so that its operands stay in registers.
+(``pairs="levels"``: the reference's rounding points, more but smaller products).
+``I + beta A`` is inverted by doubling its inverted diagonal blocks, as the reference
+does, with every product of that inverse in about float32 accuracy (three bfloat16
+products per product). Every step reads BK columns of K (or V) at a time, so that its
+operands stay in registers.
 """
 
 from __future__ import annotations
@@ -123,8 +124,7 @@ def _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums):
   for n, h in ref._levels(c):  # pylint: disable=protected-access
     pos = rows % n
     for i in range(1, n // h):
-      r = h * i - 1  # in t's n-block
-      gr = g_ref[pl.ds(r, 1), cs] if n == c else _rows_at(g_ref, cs, rows // n, r, n)
+      gr = _rows_at(g_ref, cs, rows // n, h * i - 1, n)  # G_r, r in t's n-block
       down = jnp.exp(jnp.where(pos // h == i, G - gr, -jnp.inf))  # rows of group i
       kr = (k * jnp.exp(jnp.where(pos < h * i, gr - G, -jnp.inf))).astype(dt)
       kk = _dot((k * down).astype(dt), kr, precision, transpose_b=True)
@@ -176,11 +176,12 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
   solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
   blocks = functools.partial(_by_blocks, bk=bk)
 
-  square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
+  square = jnp.zeros((c, c), jnp.float32)
   if pairs == "levels":
     pair_sums = lambda cs, sums: _pair_sums_by_levels(q_ref, k_ref, g_ref, cs, dt, sums)
     A, P = blocks(kdim, body=pair_sums, init=(square, square))
   else:
+    inner = jnp.zeros((c, SUB), jnp.float32)
     pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
     A, P, Ad, Pd = blocks(kdim, body=pair_sums, init=(square, square, inner, inner))
     A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
@@ -204,10 +205,9 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
   blocks(v_ref.shape[1], body=per_v_block)
 
 
-def _per_chunk(kernel, operands, out_shapes, *, bk, interpret, num_warps, **options):
-  """``kernel`` (bk and options bound) over the chunks of ``operands`` ``[..., C, *]``
-  (the leading axes those of the first), one program each; float32 outputs ``[n,
-  *shape]``."""
+def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
+  """``kernel`` (dt and bk bound) over the chunks of ``operands`` ``[..., C, *]`` (the
+  leading axes those of the first), one program each; float32 outputs ``[n, *shape]``."""
   kdim, vdim = operands[0].shape[-1], operands[2].shape[-1]  # q, k, v, ...
   bk = min(bk, kdim, vdim)
   if kdim % bk or vdim % bk:
@@ -217,7 +217,7 @@ def _per_chunk(kernel, operands, out_shapes, *, bk, interpret, num_warps, **opti
   count = flat[0].shape[0]
   spec = lambda shape: pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
   return pl.pallas_call(
-      functools.partial(kernel, bk=bk, **options), grid=(count,),
+      functools.partial(kernel, dt=dt, bk=bk), grid=(count,),
       in_specs=[spec(z.shape[1:]) for z in flat],
       out_specs=[spec(shape) for shape in out_shapes],
       out_shape=[jax.ShapeDtypeStruct((count,) + shape, jnp.float32) for shape in out_shapes],
@@ -237,7 +237,7 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK, pai
     raise ValueError(f"pairs: expected 'columns' or 'levels', got {pairs!r}")
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
-  outs = _per_chunk(_kernel, (q, k, v, G, b[..., 0]), shapes, dt=dt, bk=bk, pairs=pairs,
-                    interpret=interpret, num_warps=num_warps)
+  outs = _per_chunk(functools.partial(_kernel, pairs=pairs), (q, k, v, G, b[..., 0]), shapes,
+                    dt=dt, bk=bk, interpret=interpret, num_warps=num_warps)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])
