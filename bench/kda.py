@@ -116,13 +116,12 @@ def print_profile(shape):
       print(f"    {ms:8.3f} ms  {op:<28} {op_name[-90:]}")
 
 
-INTRA_VARIANTS = ((4, 32, "columns"), (4, 32, "levels"), (8, 32, "levels"), (4, 64, "levels"),
-                  (8, 64, "levels"), (2, 32, "levels"))
+INTRA_VARIANTS = ((4, 32), (8, 32), (4, 64), (2, 32))  # (num_warps, bk)
 
 
 def print_intra(shape, variants=INTRA_VARIANTS):
   """The forward's intra-chunk stage alone: XLA's (the reference) against the kernel's
-  (num_warps, bk, pairs) variants; device ms and output differences."""
+  (num_warps, bk) variants; device ms and output differences."""
   from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   c = 64
@@ -140,11 +139,11 @@ def print_intra(shape, variants=INTRA_VARIANTS):
   print(f"intra-chunk stage {shape}, chunk {c}, bf16 pair products")
   print(f"{'engine':<28} {'fwd ms':>8}  rel diff (w U P qg kd dec)")
   print(f"{'XLA (reference)':<28} {device_ms(fwd, args):8.3f}")
-  for warps, bk, pairs in variants:
-    options = dict(dt=dt, num_warps=warps, bk=bk, pairs=pairs,
+  for warps, bk in variants:
+    options = dict(dt=dt, num_warps=warps, bk=bk,
                    interpret=jax.default_backend() != "gpu")
     kernel = jax.jit(functools.partial(kda_intra.intra, **options))
-    name = f"{pairs}, {warps} warps, bk {bk}"
+    name = f"kernel, {warps} warps, bk {bk}"
     try:
       diffs = [rel_diff(a, b) for a, b in zip(kernel(*args), want)]
       print(f"{name:<28} {device_ms(kernel, args):8.3f}  {' '.join(f'{x:.0e}' for x in diffs)}",

@@ -47,10 +47,9 @@ def test_pair_leaves_match_float64(n, kd):
 
 @pytest.mark.parametrize("c,steep", [(64, False), (64, True), (16, False)])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("pairs", ["columns", "levels"])
-def test_intra_kernel_matches_reference(c, steep, dt, pairs):
+def test_intra_kernel_matches_reference(c, steep, dt):
   """The intra-chunk kernel, interpreted, against the reference's stage."""
-  check_intra_kernel(functools.partial(kda_intra.intra, interpret=True, pairs=pairs), c, 32,
+  check_intra_kernel(functools.partial(kda_intra.intra, interpret=True), c, 32,
                      16, dt, steep)
 
 
@@ -120,9 +119,9 @@ def test_kernels_lower_to_triton_for_sm90():
     chunk = s(nc, b, hv, c, d)
     bf16 = jnp.dtype(jnp.bfloat16)
     beta = s(nc, b, hv, c, 1)
-    intra = [export(jax.jit(functools.partial(kda_intra.intra, dt=bf16, pairs=how)))(
-        chunk, chunk, chunk, chunk, beta) for how in ("columns", "levels")]
+    intra = export(jax.jit(functools.partial(kda_intra.intra, dt=bf16)))(
+        chunk, chunk, chunk, chunk, beta)
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  for exported in (scan, scan_bwd, pairs, pairs_bwd, *intra):
+  for exported in (scan, scan_bwd, pairs, pairs_bwd, intra):
     assert "xla.gpu.triton" in exported.mlir_module()
