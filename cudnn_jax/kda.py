@@ -247,9 +247,10 @@ def _supports_fused(call: KdaCall) -> str | None:
 
 
 def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.pallas import kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.pallas import kda_chunks, kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
-  return _run_xla(call, x, fused=ref.FusedKernels(scan_output=kda_scan.scan_output,
+  return _run_xla(call, x, fused=ref.FusedKernels(chunks=kda_chunks.chunks,
+                                                  scan_output=kda_scan.scan_output,
                                                   scan_bwd=kda_scan.scan_bwd,
                                                   pair_leaves=kda_pairs.LEAVES,
                                                   intra=kda_intra.intra))

@@ -10,18 +10,20 @@ import numpy as np
 import pytest
 
 import cudnn_jax
-from cudnn_jax.pallas import kda_intra, kda_pairs, kda_scan
+from cudnn_jax.pallas import kda_chunks, kda_intra, kda_pairs, kda_scan
 from cudnn_jax.reference import kda as ref
 from kda_cases import check_intra_kernel
 
 leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, interpret=True),
                                     bwd=functools.partial(kda_pairs.pairs_bwd, interpret=True))
-# The kernels in the interpreter: the scan with the pair leaves, or with the whole stage.
+# The kernels in the interpreter: the scan with the pair leaves, or with the preprocessing
+# and the whole intra-chunk stage.
 with_leaves = ref.FusedKernels(
     scan_output=functools.partial(kda_scan.scan_output, interpret=True),
     scan_bwd=functools.partial(kda_scan.scan_bwd, interpret=True),
     pair_leaves=leaves_interpreted)
-with_intra = with_leaves._replace(intra=functools.partial(kda_intra.intra, interpret=True))
+with_intra = with_leaves._replace(intra=functools.partial(kda_intra.intra, interpret=True),
+                                  chunks=functools.partial(kda_chunks.chunks, interpret=True))
 
 
 @pytest.mark.parametrize("n,kd", [(16, 8), (8, 32)])
@@ -51,6 +53,30 @@ def test_intra_kernel_matches_reference(c, steep, dt):
   """The intra-chunk kernel, interpreted, against the reference's stage."""
   check_intra_kernel(functools.partial(kda_intra.intra, interpret=True), c, 32,
                      16, dt, steep)
+
+
+@pytest.mark.parametrize("l2norm_qk", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kg", [1, 16])
+def test_chunks_kernel_matches_reference(kg, dtype, l2norm_qk):
+  """The preprocessing kernel, interpreted, against ``reference.kda.to_chunks``: two value
+  heads per q/k head, a partial last chunk, per-channel and scalar gates; gradients too."""
+  rng = np.random.default_rng(kg)
+  b, t, h, hv, kd, vd, c = 2, 40, 1, 2, 16, 8, 16
+  x = lambda *s, dt=jnp.float32: jnp.asarray(rng.standard_normal(s), dt)
+  args = (x(b, t, h, kd, dt=dtype), x(b, t, h, kd, dt=dtype), x(b, t, hv, vd, dt=dtype),
+          -jnp.abs(x(b, t, hv, kg)), x(b, t, hv, 1))
+  static = (0.3, l2norm_qk, c)
+  kernel = lambda *a: kda_chunks.chunks(*a, *static, interpret=True)
+  got, want = kernel(*args), ref.to_chunks(*args, *static)
+  for g_, w_ in zip(got, want):
+    assert g_.shape == w_.shape and g_.dtype == jnp.float32
+    np.testing.assert_allclose(g_, w_, rtol=1e-6, atol=1e-6)
+  cts = tuple(x(*w_.shape) for w_ in want)
+  got_grads = jax.vjp(kernel, *args)[1](cts)
+  want_grads = jax.vjp(lambda *a: ref.to_chunks(*a, *static), *args)[1](cts)
+  for g_, w_ in zip(got_grads, want_grads):
+    np.testing.assert_array_equal(g_, w_)
 
 
 @pytest.mark.parametrize("fused", [with_leaves, with_intra], ids=["leaves", "intra"])
@@ -121,7 +147,11 @@ def test_kernels_lower_to_triton_for_sm90():
     beta = s(nc, b, hv, c, 1)
     intra = export(jax.jit(functools.partial(kda_intra.intra, dt=bf16)))(
         chunk, chunk, chunk, chunk, beta)
+    tokens = lambda heads, dt=jnp.float32: jax.ShapeDtypeStruct((b, nc * c - 5, heads, d), dt)
+    chunks = export(jax.jit(lambda *x: kda_chunks.chunks(*x, 0.1, True, c)))(
+        tokens(1, bf16), tokens(1, bf16), tokens(hv, bf16), tokens(hv),
+        s(b, nc * c - 5, hv, 1))
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  for exported in (scan, scan_bwd, pairs, pairs_bwd, intra):
+  for exported in (scan, scan_bwd, pairs, pairs_bwd, intra, chunks):
     assert "xla.gpu.triton" in exported.mlir_module()

@@ -57,15 +57,15 @@ def l2norm(x):
 
 
 def gate(g, a_log, dt_bias, lower_bound):
-  """Raw gate ``g [..., HV, C, Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV*Kg]`` or None.
+  """Raw gate ``g [..., HV, Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV*Kg]`` or None.
 
   ``-exp(a_log) * softplus(g + dt_bias)``, or with ``lower_bound`` lb
   ``lb * sigmoid(exp(a_log) * (g + dt_bias))`` (no ``exp(a_log)`` factor when a_log is None).
   """
-  hv = g.shape[-3]
+  hv = g.shape[-2]
   if dt_bias is not None:
-    g = g + dt_bias.reshape(hv, 1, -1)
-  a = None if a_log is None else jnp.exp(a_log)[:, None, None]
+    g = g + dt_bias.reshape(hv, -1)
+  a = None if a_log is None else jnp.exp(a_log)[:, None]
   if lower_bound is None:
     return -a * jax.nn.softplus(g)
   return lower_bound * jax.nn.sigmoid(g if a is None else a * g)
@@ -310,12 +310,11 @@ def _bcast(flag, x):
   return flag.reshape(flag.shape + (1,) * (x.ndim - flag.ndim))
 
 
-def _chunk_cumsum(x, reverse=False):
+def _chunk_cumsum(x):
   """Cumulative sums along each chunk's token axis (-2): a matmul with a triangular ones
   matrix (XLA lowers cumsum to reduce-windows, slow on GPUs)."""
   c = x.shape[-2]
-  tri = jnp.tril(jnp.ones((c, c), x.dtype))
-  return jnp.matmul(tri.T if reverse else tri, x, precision=jax.lax.Precision.HIGHEST)
+  return jnp.matmul(jnp.tril(jnp.ones((c, c), x.dtype)), x, precision=jax.lax.Precision.HIGHEST)
 
 
 @jax.named_scope("kda_state_scan")
@@ -346,6 +345,7 @@ def _state_scan(it: Intra, init, seg, dt):
 class FusedKernels(NamedTuple):
   """Kernels that replace stages (None: the stage runs in XLA).
 
+  ``chunks(q, k, v, g, beta, scale, l2norm, c) -> (q, k, v, G, beta)``: ``to_chunks``.
   ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
   state recurrence and the outputs of the forward pass, one sequence per batch row (not
   for packed sequences). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
@@ -354,15 +354,15 @@ class FusedKernels(NamedTuple):
   b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
   recomputes and differentiates the XLA stage.
   """
+  chunks: object = None
   scan_output: object = None
   scan_bwd: object = None
   pair_leaves: PairLeaves = XLA_LEAVES
   intra: object = None
 
 
-def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
+def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg):
   fused = fused or FusedKernels()
-  G = _chunk_cumsum(g)
   if fused.intra is not None and G.shape[-1] > 1:  # the kernel: per-channel gates
     with jax.named_scope("kda_intra"):
       it = fused.intra(q, k, v, G, beta, dt)
@@ -376,26 +376,26 @@ def _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg):
     with jax.named_scope("kda_output"):
       u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
       o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
-  return (o, final), (q, k, v, g, beta, init, seg, S)
+  return (o, final), (q, k, v, G, beta, init, seg, S)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked(dt, fused, q, k, v, g, beta, init, seg):
+def chunked(dt, fused, q, k, v, G, beta, init, seg):
   """``o [NC,B,HV,C,V]`` and final states ``[N,HV,K,V]``, all float32.
 
-  q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; g [NC,B,HV,C,Kg]; beta [NC,B,HV,C,1];
+  q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; G [NC,B,HV,C,Kg] (the log decays summed
+  along each chunk); beta [NC,B,HV,C,1];
   init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
   dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels``.
   """
-  return _chunked_fwd(dt, fused, q, k, v, g, beta, init, seg)[0]
+  return _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg)[0]
 
 
 def _chunked_bwd(dt, fused, res, cts):
   fused = fused or FusedKernels()
-  q, k, v, g, beta, init, seg, S = res
+  q, k, v, G, beta, init, seg, S = res
   do, dfinal = cts
   prec = matmul_precision(dt)
-  G = _chunk_cumsum(g)
   it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
 
   def step(carry, x):
@@ -436,7 +436,7 @@ def _chunked_bwd(dt, fused, res, cts):
       d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
   with jax.named_scope("kda_intra_bwd"):
     dq, dk, dv, dG, db = intra_vjp(d)
-  return dq, dk, dv, _chunk_cumsum(dG, reverse=True), db, dinit, None  # G = cumsum(g)
+  return dq, dk, dv, dG, db, dinit, None
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -452,6 +452,19 @@ def _to_chunks(x, c):
   x = jnp.pad(x, ((0, 0), (0, nc * c - t)) + ((0, 0),) * (x.ndim - 2))
   x = x.reshape((b, nc, c) + x.shape[2:])
   return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+
+def to_chunks(q, k, v, g, beta, scale, l2norm_qk, c):
+  """Tokens ``[B,T,*,D]`` to float32 chunks ``[NC,B,HV,C,D]``, what ``chunked`` takes: q
+  and k (``[B,T,H,K]``, in q's dtype) l2-normalized when ``l2norm_qk``, q times ``scale``,
+  both repeated to the HV value heads; v ``[B,T,HV,V]``; g ``[B,T,HV,Kg]`` as G, its
+  cumulative sums along each chunk; beta ``[B,T,HV,1]``. T is zero-padded to whole
+  chunks."""
+  q, k, v, g, beta = (_to_chunks(x, c).astype(jnp.float32) for x in (q, k, v, g, beta))
+  if l2norm_qk:
+    q, k = l2norm(q), l2norm(k)
+  q, k = (jnp.repeat(x, v.shape[2] // q.shape[2], axis=2) for x in (q * scale, k))
+  return q, k, v, _chunk_cumsum(g), beta
 
 
 def _from_chunks(x, t):
@@ -517,27 +530,20 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
   init = (jnp.zeros((n, hv, kdim, vdim), jnp.float32) if initial_state is None
           else f32(initial_state))
 
-  # Into the chunk layout first, in the inputs' dtypes (half the bytes for bf16 inputs).
-  xs, seg = (q, k, v, g, beta[..., None]), None
-  if cu_seqlens is not None:
-    pack = _packing(cu_seqlens, t, chunk_size)
-    xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
-    seg = pack.seg
-  q, k, v, g, beta = (f32(_to_chunks(x, chunk_size)) for x in xs)  # [NC,B,H,C,D]
-  if qk_l2norm:
-    q, k = l2norm(q), l2norm(k)
-  q, k = (jnp.repeat(x, hv // h, axis=2) for x in (q * scale, k))  # value head -> q/k head
+  # The gates are elementwise: applied to the tokens, padding slots keep g = beta = 0.
+  g, beta = f32(g), f32(beta)[..., None]
   if gate_in_kernel:
     g = gate(g, a_log, dt_bias, lower_bound)
   if beta_sigmoid:
     beta = (2.0 if allow_neg_eigval else 1.0) * jax.nn.sigmoid(beta)
-  if gate_in_kernel or beta_sigmoid:  # padding slots must leave the state alone
-    nc = q.shape[0]
-    slot = (pack.valid if cu_seqlens is not None
-            else jnp.arange(nc * chunk_size) < t).reshape(nc, 1, 1, chunk_size, 1)
-    g, beta = jnp.where(slot, g, 0.0), jnp.where(slot, beta, 0.0)
-
-  o, final = chunked(dtype, fused, q, k, v, g, beta, init, seg)
+  xs, seg = (q, k, v, g, beta), None
+  if cu_seqlens is not None:
+    pack = _packing(cu_seqlens, t, chunk_size)
+    xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
+    seg = pack.seg
+  fused = fused or FusedKernels()
+  q, k, v, G, beta = (fused.chunks or to_chunks)(*xs, scale, qk_l2norm, chunk_size)
+  o, final = chunked(dtype, fused, q, k, v, G, beta, init, seg)
   o = _from_chunks(o.astype(dtype), o.shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
   return o, final
