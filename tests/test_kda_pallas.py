@@ -83,7 +83,7 @@ def test_chunks_kernel_matches_reference(kg, dtype, l2norm_qk):
 @pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
 def test_engine_with_kernels_matches_xla_engine(vd, fused):
   """The op with the kernels against the xla engine: output, final state, and gradients
-  of every differentiable input, with a partial last chunk."""
+  of every differentiable input, with a partial last chunk; the forward pass alone too."""
   rng = np.random.default_rng(1)
   b, t, h, kd = 2, 80, 2, 16
   f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -101,6 +101,8 @@ def test_engine_with_kernels_matches_xla_engine(vd, fused):
   args = (q, k, v, g, beta)
   grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
   got, want = grad(fused, *args), grad(None, *args)
+  got += ref.kda(*args, fused=fused, **kw),  # not differentiated: no states written
+  want += ref.kda(*args, **kw),
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
 
@@ -133,9 +135,9 @@ def test_kernels_lower_to_triton_for_sm90():
         jax.export.export, platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
     nc, b, hv, c, d = 13, 2, 3, 64, 128
-    scan = export(jax.jit(kda_scan.scan_output))(
+    scan, scan_alone = (export(jax.jit(functools.partial(kda_scan.scan_output, with_states=x)))(
         s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, d),
-        s(nc, b, hv, c, d), s(nc, b, hv, c, c), s(b, hv, d, d))
+        s(nc, b, hv, c, d), s(nc, b, hv, c, c), s(b, hv, d, d)) for x in (True, False))
     scan_bwd = export(jax.jit(kda_scan.scan_bwd))(
         s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d),
         s(nc, b, hv, d), s(nc, b, hv, c, c), s(b, hv, d, d))
@@ -153,5 +155,5 @@ def test_kernels_lower_to_triton_for_sm90():
         s(b, nc * c - 5, hv, 1))
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  for exported in (scan, scan_bwd, pairs, pairs_bwd, intra, chunks):
+  for exported in (scan, scan_alone, scan_bwd, pairs, pairs_bwd, intra, chunks):
     assert "xla.gpu.triton" in exported.mlir_module()

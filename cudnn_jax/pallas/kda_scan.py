@@ -36,13 +36,14 @@ NUM_STAGES = 1
 
 
 def _kernel(w_ref, u_ref, kd_ref, dec_ref, qg_ref, p_ref, init_ref,
-            o_ref, states_ref, final_ref, *, bv, precision):
+            o_ref, final_ref, states_ref=None, *, bv, precision):
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * bv, bv)
   dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
 
   def step(i, S):
-    states_ref[i, b, h, :, cols] = S
+    if states_ref is not None:
+      states_ref[i, b, h, :, cols] = S
     u = u_ref[i, b, h, :, cols] - dot(w_ref[i, b, h], S)
     o_ref[i, b, h, :, cols] = dot(qg_ref[i, b, h], S) + dot(p_ref[i, b, h], u)
     return dec_ref[i, b, h][:, None] * S + dot(kd_ref[i, b, h].T, u)
@@ -51,17 +52,23 @@ def _kernel(w_ref, u_ref, kd_ref, dec_ref, qg_ref, p_ref, init_ref,
   final_ref[b, h, :, cols] = final
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "interpret"))
-def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, interpret=False):
-  """``(o [NC,B,HV,C,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])`` float32.
+@functools.partial(jax.jit, static_argnames=("precision", "with_states", "interpret"))
+def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, with_states=True,
+                interpret=False):
+  """``(o [NC,B,HV,C,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])`` float32;
+  the states None unless ``with_states`` (the backward pass reads them; a forward pass
+  alone saves writing [K, V] floats per chunk).
 
   w, kd, qg [NC,B,HV,C,K]; U [NC,B,HV,C,V]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; init
   [B,HV,K,V]. V must be a multiple of BV, or at most BV (one block). ``precision`` of the
   products (None: the backend's default, TF32 on NVIDIA GPUs for float32 operands)."""
   nc, b, hv, c, _ = w.shape
-  out_shapes = [(nc, b, hv, c, U.shape[-1]), (nc, *init.shape), init.shape]
-  return _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), out_shapes,
-                          precision=precision, interpret=interpret)
+  out_shapes = [(nc, b, hv, c, U.shape[-1]), init.shape]
+  if with_states:
+    out_shapes.append((nc, *init.shape))
+  o, final, *states = _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), out_shapes,
+                                       precision=precision, interpret=interpret)
+  return o, (states[0] if with_states else None), final
 
 
 def _per_value_block(kernel, operands, out_shapes, *, precision, interpret):

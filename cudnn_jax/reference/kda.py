@@ -346,9 +346,10 @@ class FusedKernels(NamedTuple):
   """Kernels that replace stages (None: the stage runs in XLA).
 
   ``chunks(q, k, v, g, beta, scale, l2norm, c) -> (q, k, v, G, beta)``: ``to_chunks``.
-  ``scan_output(w, U, kd, dec, qg, P, init, *, precision) -> (o, states, final)``: the
-  state recurrence and the outputs of the forward pass, one sequence per batch row (not
-  for packed sequences). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
+  ``scan_output(w, U, kd, dec, qg, P, init, *, precision, with_states) -> (o, states,
+  final)``: the state recurrence and the outputs of the forward pass, one sequence per
+  batch row (not for packed sequences); states None unless ``with_states`` (a forward pass
+  that is differentiated). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
   du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
   for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G,
   b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
@@ -361,7 +362,7 @@ class FusedKernels(NamedTuple):
   intra: object = None
 
 
-def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg):
+def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
   fused = fused or FusedKernels()
   if fused.intra is not None and G.shape[-1] > 1:  # the kernel: per-channel gates
     with jax.named_scope("kda_intra"):
@@ -370,7 +371,7 @@ def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg):
     it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
-                                    precision=matmul_precision(dt))
+                                    precision=matmul_precision(dt), with_states=with_states)
   else:
     S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
     with jax.named_scope("kda_output"):
@@ -388,7 +389,7 @@ def chunked(dt, fused, q, k, v, G, beta, init, seg):
   init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
   dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels``.
   """
-  return _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg)[0]
+  return _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=False)[0]
 
 
 def _chunked_bwd(dt, fused, res, cts):
