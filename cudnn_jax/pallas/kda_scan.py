@@ -39,50 +39,59 @@ def _kernel(w_ref, u_ref, kd_ref, dec_ref, qg_ref, p_ref, init_ref,
             o_ref, final_ref, states_ref=None, *, bv, precision):
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * bv, bv)
+  c = w_ref.shape[3]
   dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
 
   def step(i, S):
     if states_ref is not None:
       states_ref[i, b, h, :, cols] = S
     u = u_ref[i, b, h, :, cols] - dot(w_ref[i, b, h], S)
-    o_ref[i, b, h, :, cols] = dot(qg_ref[i, b, h], S) + dot(p_ref[i, b, h], u)
+    o = dot(qg_ref[i, b, h], S) + dot(p_ref[i, b, h], u)
+    o_ref[b, pl.ds(i * c, c), h, cols] = o.astype(o_ref.dtype)
     return dec_ref[i, b, h][:, None] * S + dot(kd_ref[i, b, h].T, u)
 
   final = jax.lax.fori_loop(0, w_ref.shape[0], step, init_ref[b, h, :, cols])
   final_ref[b, h, :, cols] = final
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "with_states", "interpret"))
-def scan_output(w, U, kd, dec, qg, P, init, *, precision=None, with_states=True,
-                interpret=False):
-  """``(o [NC,B,HV,C,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])`` float32;
-  the states None unless ``with_states`` (the backward pass reads them; a forward pass
-  alone saves writing [K, V] floats per chunk).
+@functools.partial(jax.jit, static_argnames=("o_dtype", "precision", "with_states",
+                                             "interpret"))
+def scan_output(w, U, kd, dec, qg, P, init, *, o_dtype=jnp.float32, precision=None,
+                with_states=True, interpret=False):
+  """``(o [B,NC*C,HV,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])``: the
+  outputs token by token in ``o_dtype``, the states float32; the states None unless
+  ``with_states`` (the backward pass reads them; a forward pass alone saves writing [K, V]
+  floats per chunk).
 
   w, kd, qg [NC,B,HV,C,K]; U [NC,B,HV,C,V]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; init
   [B,HV,K,V]. V must be a multiple of BV, or at most BV (one block). ``precision`` of the
   products (None: the backend's default, TF32 on NVIDIA GPUs for float32 operands)."""
   nc, b, hv, c, _ = w.shape
-  out_shapes = [(nc, b, hv, c, U.shape[-1]), init.shape]
+  outs = [jax.ShapeDtypeStruct((b, nc * c, hv, U.shape[-1]), o_dtype), _f32(init.shape)]
   if with_states:
-    out_shapes.append((nc, *init.shape))
-  o, final, *states = _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), out_shapes,
+    outs.append(_f32((nc, *init.shape)))
+  o, final, *states = _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), outs,
                                        precision=precision, interpret=interpret)
   return o, (states[0] if with_states else None), final
 
 
-def _per_value_block(kernel, operands, out_shapes, *, precision, interpret):
+def _f32(shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _per_value_block(kernel, operands, outs, *, precision, interpret):
   """``kernel`` (bv and precision bound) on whole-array refs, one program per (sequence,
-  head, BV value columns); the last operand is ``[B, HV, K, V]``. Float32 outputs."""
+  head, BV value columns); the last operand is ``[B, HV, K, V]``; ``outs`` the results'
+  shapes and dtypes."""
   b, hv, _, v = operands[-1].shape
   bv = min(BV, v)
   if v % bv:
     raise ValueError(f"V={v} is not a multiple of {bv}")
   return pl.pallas_call(
       functools.partial(kernel, bv=bv, precision=precision), grid=(b, hv, v // bv),
-      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes],
+      out_shape=outs,
       in_specs=[pl.no_block_spec] * len(operands),
-      out_specs=[pl.no_block_spec] * len(out_shapes),
+      out_specs=[pl.no_block_spec] * len(outs),
       interpret=interpret,
       compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
                                                num_stages=NUM_STAGES))(*operands)
@@ -116,6 +125,6 @@ def scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision=None, interpret=False):
   do [NC,B,HV,C,V]; qg, w, kd [NC,B,HV,C,K]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; dfinal
   [B,HV,K,V]. V a multiple of BV, or at most BV; ``precision`` as for ``scan_output``."""
   nc, b, hv, c, v = do.shape
-  out_shapes = [(nc, *dfinal.shape), (nc, b, hv, c, v), dfinal.shape]
-  return _per_value_block(_bwd_kernel, (do, qg, w, kd, dec, P, dfinal), out_shapes,
+  outs = [_f32((nc, *dfinal.shape)), _f32((nc, b, hv, c, v)), _f32(dfinal.shape)]
+  return _per_value_block(_bwd_kernel, (do, qg, w, kd, dec, P, dfinal), outs,
                           precision=precision, interpret=interpret)

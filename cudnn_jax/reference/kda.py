@@ -370,19 +370,20 @@ def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
   else:
     it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
-    o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init,
+    o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init, o_dtype=dt,
                                     precision=matmul_precision(dt), with_states=with_states)
   else:
     S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
     with jax.named_scope("kda_output"):
       u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
       o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
+      o = _from_chunks(o.astype(dt))
   return (o, final), (q, k, v, G, beta, init, seg, S)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def chunked(dt, fused, q, k, v, G, beta, init, seg):
-  """``o [NC,B,HV,C,V]`` and final states ``[N,HV,K,V]``, all float32.
+  """``o [B,NC*C,HV,V]`` in dt and final states ``[N,HV,K,V]`` float32.
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; G [NC,B,HV,C,Kg] (the log decays summed
   along each chunk); beta [NC,B,HV,C,1];
@@ -396,6 +397,7 @@ def _chunked_bwd(dt, fused, res, cts):
   fused = fused or FusedKernels()
   q, k, v, G, beta, init, seg, S = res
   do, dfinal = cts
+  do = _to_chunks(do, q.shape[-2]).astype(jnp.float32)
   prec = matmul_precision(dt)
   it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
 
@@ -468,10 +470,10 @@ def to_chunks(q, k, v, g, beta, scale, l2norm_qk, c):
   return q, k, v, _chunk_cumsum(g), beta
 
 
-def _from_chunks(x, t):
+def _from_chunks(x):
   nc, b, hv, c = x.shape[:4]
   x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
-  return x.reshape((b, nc * c, hv) + x.shape[4:])[:, :t]
+  return x.reshape((b, nc * c, hv) + x.shape[4:])
 
 
 class Packing(NamedTuple):
@@ -545,6 +547,5 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
   fused = fused or FusedKernels()
   q, k, v, G, beta = (fused.chunks or to_chunks)(*xs, scale, qk_l2norm, chunk_size)
   o, final = chunked(dtype, fused, q, k, v, G, beta, init, seg)
-  o = _from_chunks(o.astype(dtype), o.shape[0] * chunk_size)
   o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
   return o, final
