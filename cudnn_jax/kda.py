@@ -218,21 +218,15 @@ for _op in ("kda", "gdn"):
 
 
 # "cute", our own GPU kernels: for now the xla engine with stages as Pallas kernels
-# compiled by XLA through Triton. The forward's state recurrence and outputs run as one
-# kernel, one program per sequence, head and 64 value columns (pallas/kda_scan.py; packed
-# sequences keep the XLA scan): 0.8 ms on an H200 at B=8 T=4096 H=16 K=V=128, where the
-# XLA scan and output stages take 2.6 ms (whole forward 6.6 ms, forward+backward 21.7,
-# before the pair kernels below). The backward's recurrence runs the same way, in reverse
-# (kda_scan.scan_bwd; not yet timed), where XLA's scan took 2.5 ms and about 1.1 ms more
-# slicing each step's operands out of the stacked chunks.
-# The pair sums within 16-token sub-blocks, forward and backward, run as one program per
-# sub-block (pallas/kda_pairs.py) instead of two more levels of tiny XLA products: forward
-# as fast as XLA's, forward+backward 21.1 ms against 21.7 with XLA's.
-# The forward's intra-chunk stage runs as one kernel, one program per chunk and head
-# (pallas/kda_intra.py): 2.6 ms where XLA's stage takes 3.9 (`bench/kda.py --intra`). A
-# kernel for its VJP took 14.8 ms where jax.vjp of XLA's stage, recompute included, takes
-# 10.2, so the backward differentiates XLA's. Whole op at B=8 T=4096 H=16 K=V=128 bf16:
-# forward 4.9 ms, forward+backward 19.9 (xla engine: 6.6 and 21.7).
+# compiled by XLA through Triton (cudnn_jax/pallas/): the preprocessing, tokens to
+# normalized float32 chunks with the gates summed (kda_chunks.py); the forward's
+# intra-chunk stage, one program per chunk and head (kda_intra.py; its VJP as a kernel was
+# slower than jax.vjp of XLA's stage, which the backward differentiates); the state
+# recurrence with the outputs, forward, and the recurrence backward, one program per
+# sequence, head and 64 value columns (kda_scan.py; packed sequences keep the XLA scan);
+# the backward's pair sums within 16-token sub-blocks (kda_pairs.py). On an H200 at B=8
+# T=4096 H=16 K=V=128 bf16, back to back: forward 3.9 ms, forward+backward 19.5 (xla
+# engine 6.6 and 21.7; stage by stage figures in bench/NOTES.md).
 # Opt-in until it is timed beside the xla engine at every benchmark shape.
 
 
