@@ -19,7 +19,7 @@ takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
 XLA's command buffers turned off so that every kernel is seen. With --intra: instead of
 the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's (the
-reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and pair sums.
+reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and span limit.
 Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
 """
 
@@ -116,12 +116,13 @@ def print_profile(shape):
       print(f"    {ms:8.3f} ms  {op:<28} {op_name[-90:]}")
 
 
-INTRA_VARIANTS = ((4, 32), (8, 32), (4, 64), (2, 32))  # (num_warps, bk)
+# (num_warps, bk, span_limit): span_limit None sums the pairs inside sub-blocks directly.
+INTRA_VARIANTS = ((4, 32, None), (4, 32, 60.0), (8, 32, 60.0), (4, 64, 60.0), (2, 32, 60.0))
 
 
 def print_intra(shape, variants=INTRA_VARIANTS):
   """The forward's intra-chunk stage alone: XLA's (the reference) against the kernel's
-  (num_warps, bk) variants; device ms and output differences."""
+  (num_warps, bk, span_limit) variants; device ms and output differences."""
   from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   c = 64
@@ -139,11 +140,11 @@ def print_intra(shape, variants=INTRA_VARIANTS):
   print(f"intra-chunk stage {shape}, chunk {c}, bf16 pair products")
   print(f"{'engine':<28} {'fwd ms':>8}  rel diff (w U P qg kd dec)")
   print(f"{'XLA (reference)':<28} {device_ms(fwd, args):8.3f}")
-  for warps, bk in variants:
-    options = dict(dt=dt, num_warps=warps, bk=bk,
+  for warps, bk, span_limit in variants:
+    options = dict(dt=dt, num_warps=warps, bk=bk, span_limit=span_limit,
                    interpret=jax.default_backend() != "gpu")
     kernel = jax.jit(functools.partial(kda_intra.intra, **options))
-    name = f"kernel, {warps} warps, bk {bk}"
+    name = f"{warps} warps, bk {bk}, span {span_limit}"
     try:
       diffs = [rel_diff(a, b) for a, b in zip(kernel(*args), want)]
       print(f"{name:<28} {device_ms(kernel, args):8.3f}  {' '.join(f'{x:.0e}' for x in diffs)}",

@@ -47,12 +47,15 @@ def test_pair_leaves_match_float64(n, kd):
     np.testing.assert_allclose(g_, w_, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("span_limit", [None, kda_intra.SPAN_LIMIT, 80.0])
 @pytest.mark.parametrize("c,steep", [(64, False), (64, True), (16, False)])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-def test_intra_kernel_matches_reference(c, steep, dt):
-  """The intra-chunk kernel, interpreted, against the reference's stage."""
-  check_intra_kernel(functools.partial(kda_intra.intra, interpret=True), c, 32,
-                     16, dt, steep)
+def test_intra_kernel_matches_reference(c, steep, dt, span_limit):
+  """The intra-chunk kernel, interpreted, against the reference's stage: pairs inside
+  sub-blocks summed directly (None), as products where the gates allow (steep gates span
+  about 40-60 over a sub-block: both ways), or as products with factors up to e^80."""
+  check_intra_kernel(functools.partial(kda_intra.intra, interpret=True, span_limit=span_limit),
+                     c, 32, 16, dt, steep)
 
 
 @pytest.mark.parametrize("l2norm_qk", [False, True])

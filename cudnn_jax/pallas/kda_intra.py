@@ -11,9 +11,14 @@ For one chunk of C tokens (q scaled, k and the cumulative log decays G ``[C, K]`
 Tokens t and s of different 16-token sub-blocks are paired through a reference token r
 between them, the last token of the sub-block before t's: ``(k_t e^{G_t - G_r}) .
 (k_s e^{G_r - G_s})``, both factors at most 1, as tensor-core products. Pairs inside a
-sub-block are summed directly, one column s at a time, each ``e^{G_t - G_s}`` formed once
-for the k-k and the q-k pair (pairing them level by level as the reference does, as
-tensor-core products, took 3.6 ms where this takes 2.6 at B=8 T=4096 H=16 K=V=128).
+sub-block take the same products (r the token before the sub-block; G_r = 0 for the
+first) when the factor ``e^{G_r - G_s}``, now above 1, is at most ``e^span_limit`` for
+every such pair of the BK columns at hand: the gates decay by at most ``span_limit`` over
+a sub-block and the token before it, so that no factor leaves float32's or bfloat16's
+range. Otherwise, they are summed directly, one column s at a time, each ``e^{G_t -
+G_s}`` formed once for the k-k and the q-k pair (1.2 of the kernel's 2.6 ms at B=8 T=4096
+H=16 K=V=128 on an H200; pairing them level by level as the reference does, as
+tensor-core products, took 3.6 ms in all).
 ``I + beta A`` is inverted by doubling its inverted diagonal blocks, as the reference
 does, with every product of that inverse in about float32 accuracy (three bfloat16
 products per product). Every step reads BK columns of K (or V) at a time, so that its
@@ -34,6 +39,10 @@ from cudnn_jax.reference import kda as ref
 SUB = 16  # tokens per sub-block
 BK = 32  # columns of K (and V) per step: [C, BK] float32 operands stay in registers
 NUM_WARPS = 4  # fastest on an H200 at K = V = 128 (bench/kda.py --intra)
+# Largest decay (natural log) over a sub-block and the token before it for which pairs
+# inside sub-blocks are tensor-core products: factors up to e^60 ~ 1e26 and down to
+# e^-60, far inside float32's and bfloat16's normal range (e^+-87) for any |q|, |k| < 1e5.
+SPAN_LIMIT = 60.0
 # Products of the inverse: the reference's are float32 (HIGHEST). Three bfloat16 products
 # of the split operands keep about 16 bits of each, the rest being far below what the
 # bfloat16 inputs carry; float32 inputs get the six-product split.
@@ -67,30 +76,38 @@ def _iota(c):
   return rows, jax.lax.broadcasted_iota(jnp.int32, (1, c), 1), rows // SUB
 
 
-def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
+def _pair_sums(q_ref, k_ref, g_ref, cs, dt, span_limit, sums):
   """``sums`` plus the pair sums over the columns ``cs`` of K: ``(A, P, Ad, Pd)``, A and P
-  ``[C, C]`` the pairs of different sub-blocks, Ad and Pd ``[C, SUB]`` those inside them
-  (column j: the pair of token t with token j of its sub-block). P and Pd None: k-k only."""
+  ``[C, C]``, Ad and Pd ``[C, SUB]`` the pairs inside sub-blocks when summed directly
+  (column j: the pair of token t with token j of its sub-block). A and P hold entries
+  above their diagonals (A: on it too) that the caller masks out."""
   A, P, Ad, Pd = sums
-  with_q = P is not None
   c = k_ref.shape[0]
   q, k, G = q_ref[:, cs], k_ref[:, cs], g_ref[:, cs]
   rows, _, blk = _iota(c)
   precision = ref.matmul_precision(dt)
+  # G_r, r the token before each sub-block (G = 0 before the chunk), and whether every
+  # pair inside a sub-block is a product of factors within e^span_limit.
+  before = [jnp.zeros((1, G.shape[1]), jnp.float32)]
+  before += [g_ref[pl.ds(SUB * i - 1, 1), cs] for i in range(1, c // SUB)]
+  inside = False
+  if span_limit is not None:
+    span = functools.reduce(jnp.maximum, [
+        jnp.max(gr - g_ref[pl.ds(SUB * i + SUB - 1, 1), cs]) for i, gr in enumerate(before)])
+    inside = span <= span_limit
 
-  # Different sub-blocks, through r = the last token before t's sub-block (factors <= 1).
-  down = jnp.exp(G - _rows_at(g_ref, cs, blk - 1, SUB - 1))  # e^{G_t - G_r}; t >= SUB
-  for i in range(1, c // SUB):
-    gr = g_ref[pl.ds(SUB * i - 1, 1), cs]
-    # e^{G_r - G_s} for the tokens s before sub-block i, 0 for the others.
-    kr = (k * jnp.exp(jnp.where(rows < SUB * i, gr - G, -jnp.inf))).astype(dt)
+  # Through r (factors <= 1 for s before the sub-block; up to e^span_limit inside it).
+  down = jnp.exp(G - jnp.where(blk == 0, 0.0, _rows_at(g_ref, cs, blk - 1, SUB - 1)))
+  for i, gr in enumerate(before):
+    # e^{G_r - G_s} for the tokens s paired through r, 0 for the others.
+    paired = (rows < SUB * i) | (inside & (rows < SUB * (i + 1)))
+    kr = (k * jnp.exp(jnp.where(paired, gr - G, -jnp.inf))).astype(dt)
     scaled = jnp.where(blk == i, down, 0.0)  # the rows of sub-block i
     A = A + _dot((k * scaled).astype(dt), kr, precision, transpose_b=True)
-    if with_q:
-      P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
+    P = P + _dot((q * scaled).astype(dt), kr, precision, transpose_b=True)
 
-  # Inside a sub-block, summed directly: column j of every sub-block at once, one
-  # e^{G_t - G_s} for the k-k and the q-k pair.
+  # Otherwise summed directly: column j of every sub-block at once, one e^{G_t - G_s} for
+  # the k-k and the q-k pair.
   j_cols = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
 
   def column(j, inner):
@@ -99,12 +116,12 @@ def _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums):
     ks_e = _rows_at(k_ref, cs, blk, j) * e
     at = j_cols == j
     kk = jnp.where(at & (rows > s), jnp.sum(k * ks_e, axis=1, keepdims=True), 0.0)
-    if not with_q:
-      return inner[0] + kk, None
     return inner[0] + kk, inner[1] + jnp.where(at, jnp.sum(q * ks_e, axis=1, keepdims=True), 0.0)
 
-  Ad, Pd = jax.lax.fori_loop(0, SUB, column, (Ad, Pd))
-  return A, P, Ad, Pd
+  columns = lambda inner: jax.lax.fori_loop(0, SUB, column, inner)
+  if span_limit is None:
+    return A, P, *columns((Ad, Pd))
+  return A, P, *jax.lax.cond(inside, lambda inner: inner, columns, (Ad, Pd))
 
 
 def _column(Md, j):
@@ -142,15 +159,17 @@ def _unit_lower_inverse(N, precision):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref,
-            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk):
+            w_ref, u_ref, p_ref, qg_ref, kd_ref, dec_ref, *, dt, bk, span_limit):
   c, kdim = k_ref.shape
   solve_precision = _SOLVE_PRECISION[jnp.dtype(dt) == jnp.float32]
   blocks = functools.partial(_by_blocks, bk=bk)
 
   square, inner = jnp.zeros((c, c), jnp.float32), jnp.zeros((c, SUB), jnp.float32)
-  pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, sums)
+  pair_sums = lambda cs, sums: _pair_sums(q_ref, k_ref, g_ref, cs, dt, span_limit, sums)
   A, P, Ad, Pd = blocks(kdim, body=pair_sums, init=(square, square, inner, inner))
-  A, P = _on_diagonal_blocks(A, Ad), _on_diagonal_blocks(P, Pd)
+  rows, cols, _ = _iota(c)
+  A = jnp.where(rows > cols, _on_diagonal_blocks(A, Ad), 0.0)
+  P = jnp.where(rows >= cols, _on_diagonal_blocks(P, Pd), 0.0)
   p_ref[...] = P
   b = b_ref[...][:, None]
   D = _unit_lower_inverse(b * A, solve_precision)
@@ -191,15 +210,18 @@ def _per_chunk(kernel, operands, out_shapes, *, dt, bk, interpret, num_warps):
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(*flat)
 
 
-@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk"))
-def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK):
+@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps", "bk", "span_limit"))
+def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK,
+          span_limit=SPAN_LIMIT):
   """``reference.kda.Intra`` (float32) of chunks ``[..., C, D]``: q, k, G ``[..., C, K]``
   (G per channel), v ``[..., C, V]``, b (beta) ``[..., C, 1]``, all float32; ``dt`` the
   pair products' operand dtype. C a power of two, K and V multiples of ``bk`` (at most
-  BK), C and ``bk`` at least 16."""
+  BK), C and ``bk`` at least 16. ``span_limit``: see the module's docstring (None: pairs
+  inside sub-blocks always summed directly)."""
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
-  outs = _per_chunk(_kernel, (q, k, v, G, b[..., 0]), shapes,
+  outs = _per_chunk(functools.partial(_kernel, span_limit=span_limit), (q, k, v, G, b[..., 0]),
+                    shapes,
                     dt=dt, bk=bk, interpret=interpret, num_warps=num_warps)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])

@@ -54,10 +54,13 @@ def test_gradients_match_finite_differences(cfg):
   check_gradients(cfg, *make_case(cfg, seed=4), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("span_limit", [None, 60.0])
 @pytest.mark.parametrize("steep", [False, True])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-def test_intra_kernel_matches_reference(dt, steep):
+def test_intra_kernel_matches_reference(dt, steep, span_limit):
   """pallas/kda_intra.py compiled by Triton, at C = 64, K = V = 128, against the reference's
-  intra-chunk stage."""
+  intra-chunk stage: pairs inside sub-blocks summed directly, or as products where the
+  gates allow."""
   from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
-  check_intra_kernel(kda_intra.intra, 64, 128, 128, dt, steep, lead=(3, 2, 4))
+  check_intra_kernel(functools.partial(kda_intra.intra, span_limit=span_limit), 64, 128, 128,
+                     dt, steep, lead=(3, 2, 4))
