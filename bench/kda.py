@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick] [--profile | --intra] [--engine xla|cute]
+    python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan] [--engine xla|cute]
                         [--shapes 8x4096]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
@@ -20,6 +20,7 @@ names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T
 XLA's command buffers turned off so that every kernel is seen. With --intra: instead of
 the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's (the
 reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and span limit.
+With --scan: the state scan kernels (pallas/kda_scan.py) alone by tiling, at --shapes.
 Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
 """
 
@@ -143,14 +144,51 @@ def print_intra(shape, variants=INTRA_VARIANTS):
   for warps, bk, span_limit in variants:
     options = dict(dt=dt, num_warps=warps, bk=bk, span_limit=span_limit,
                    interpret=jax.default_backend() != "gpu")
-    kernel = jax.jit(functools.partial(kda_intra.intra, **options))
-    name = f"{warps} warps, bk {bk}, span {span_limit}"
-    try:
-      diffs = [rel_diff(a, b) for a, b in zip(kernel(*args), want)]
-      print(f"{name:<28} {device_ms(kernel, args):8.3f}  {' '.join(f'{x:.0e}' for x in diffs)}",
-            flush=True)
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"{name:<28} {'-':>8}  ({error_text(e)})", flush=True)
+    print_variant(f"{warps} warps, bk {bk}, span {span_limit}",
+                  jax.jit(functools.partial(kda_intra.intra, **options)), args, want)
+
+
+def print_variant(name, fn, args, want):
+  """One row: device ms of ``fn(*args)`` and the relative differences of its outputs from
+  ``want``'s, or the error."""
+  try:
+    diffs = [rel_diff(a, b) for a, b in zip(fn(*args), want) if b is not None]
+    print(f"{name:<28} {device_ms(fn, args):8.3f}  {' '.join(f'{x:.0e}' for x in diffs)}",
+          flush=True)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"{name:<28} {'-':>8}  ({error_text(e)})", flush=True)
+
+
+# (bv, num_warps, num_stages) of the state scans.
+SCAN_VARIANTS = ((64, 4, 1), (32, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1))
+
+
+def print_scan(shape, variants=SCAN_VARIANTS):
+  """The state scans alone, forward (the outputs, states not written: the forward pass
+  alone) and backward, by tiling; device ms and differences from the first variant."""
+  from cudnn_jax.pallas import kda_scan  # pylint: disable=g-import-not-at-top
+  c = 64
+  nc = shape.t // c
+  chunk = lambda key, d: jax.random.normal(key, (nc, shape.b, shape.h, c, d)) / 8
+  keys = jax.random.split(jax.random.key(0), 8)
+  w, kd, qg = (chunk(key, shape.k) for key in keys[:3])
+  U, do = chunk(keys[3], shape.v), chunk(keys[4], shape.v)
+  P = jnp.tril(chunk(keys[5], c))
+  dec = jax.random.uniform(keys[6], (nc, shape.b, shape.h, shape.k), minval=0.9, maxval=1.0)
+  state = jax.random.normal(keys[7], (shape.b, shape.h, shape.k, shape.v))
+  interpret = jax.default_backend() != "gpu"
+  print(f"state scans {shape}, chunk {c}")
+  print(f"{'pass, bv, warps, stages':<28} {'ms':>8}  rel diff")
+  for name, fn, args in (
+      ("fwd", functools.partial(kda_scan.scan_output, with_states=False),
+       (w, U, kd, dec, qg, P, state)),
+      ("bwd", kda_scan.scan_bwd, (do, qg, w, kd, dec, P, state))):
+    want = None
+    for bv, warps, stages in variants:
+      kernel = jax.jit(functools.partial(fn, bv=bv, num_warps=warps, num_stages=stages,
+                                         interpret=interpret))
+      want = want or kernel(*args)
+      print_variant(f"{name}, {bv}, {warps}, {stages}", kernel, args, want)
 
 
 def load_fla():
@@ -234,6 +272,8 @@ def main():
                       help="instead of the table, where the device time goes by engine stage")
   parser.add_argument("--intra", action="store_true",
                       help="instead of the table, the intra-chunk stage: XLA against the kernel")
+  parser.add_argument("--scan", action="store_true",
+                      help="instead of the table, the state scan kernels by tiling")
   parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
@@ -249,6 +289,10 @@ def main():
   if args.intra:
     print_intra(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
                 else Shape(b=8, t=4096, h=16, k=128, v=128))
+    return
+  if args.scan:
+    for b, t in ((2, 256),) if args.quick else (pair.split("x") for pair in args.shapes.split(",")):
+      print_scan(Shape(b=int(b), t=int(t), h=2 if args.quick else 16, k=128, v=128))
     return
   if args.quick:
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]

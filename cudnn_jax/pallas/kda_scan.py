@@ -54,24 +54,31 @@ def _kernel(w_ref, u_ref, kd_ref, dec_ref, qg_ref, p_ref, init_ref,
   final_ref[b, h, :, cols] = final
 
 
+_TILING = ("bv", "num_warps", "num_stages")
+
+
 @functools.partial(jax.jit, static_argnames=("o_dtype", "precision", "with_states",
-                                             "interpret"))
+                                             "interpret") + _TILING)
 def scan_output(w, U, kd, dec, qg, P, init, *, o_dtype=jnp.float32, precision=None,
-                with_states=True, interpret=False):
+                with_states=True, interpret=False, bv=BV, num_warps=NUM_WARPS,
+                num_stages=NUM_STAGES):
   """``(o [B,NC*C,HV,V], chunk-entry states [NC,B,HV,K,V], final [B,HV,K,V])``: the
   outputs token by token in ``o_dtype``, the states float32; the states None unless
   ``with_states`` (the backward pass reads them; a forward pass alone saves writing [K, V]
   floats per chunk).
 
   w, kd, qg [NC,B,HV,C,K]; U [NC,B,HV,C,V]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; init
-  [B,HV,K,V]. V must be a multiple of BV, or at most BV (one block). ``precision`` of the
-  products (None: the backend's default, TF32 on NVIDIA GPUs for float32 operands)."""
+  [B,HV,K,V]. V must be a multiple of ``bv``, or at most ``bv`` (one block). ``precision``
+  of the products (None: the backend's default, TF32 on NVIDIA GPUs for float32
+  operands). ``bv``, ``num_warps``, ``num_stages``: the tiling (value columns per program)
+  and Triton's options."""
   nc, b, hv, c, _ = w.shape
   outs = [jax.ShapeDtypeStruct((b, nc * c, hv, U.shape[-1]), o_dtype), _f32(init.shape)]
   if with_states:
     outs.append(_f32((nc, *init.shape)))
   o, final, *states = _per_value_block(_kernel, (w, U, kd, dec, qg, P, init), outs,
-                                       precision=precision, interpret=interpret)
+                                       precision=precision, interpret=interpret, bv=bv,
+                                       num_warps=num_warps, num_stages=num_stages)
   return o, (states[0] if with_states else None), final
 
 
@@ -79,12 +86,13 @@ def _f32(shape):
   return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
-def _per_value_block(kernel, operands, outs, *, precision, interpret):
+def _per_value_block(kernel, operands, outs, *, precision, interpret, bv, num_warps,
+                     num_stages):
   """``kernel`` (bv and precision bound) on whole-array refs, one program per (sequence,
-  head, BV value columns); the last operand is ``[B, HV, K, V]``; ``outs`` the results'
+  head, bv value columns); the last operand is ``[B, HV, K, V]``; ``outs`` the results'
   shapes and dtypes."""
   b, hv, _, v = operands[-1].shape
-  bv = min(BV, v)
+  bv = min(bv, v)
   if v % bv:
     raise ValueError(f"V={v} is not a multiple of {bv}")
   return pl.pallas_call(
@@ -93,8 +101,8 @@ def _per_value_block(kernel, operands, outs, *, precision, interpret):
       in_specs=[pl.no_block_spec] * len(operands),
       out_specs=[pl.no_block_spec] * len(outs),
       interpret=interpret,
-      compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS,
-                                               num_stages=NUM_STAGES))(*operands)
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                               num_stages=num_stages))(*operands)
 
 
 def _bwd_kernel(do_ref, qg_ref, w_ref, kd_ref, dec_ref, p_ref, dfinal_ref,
@@ -117,14 +125,16 @@ def _bwd_kernel(do_ref, qg_ref, w_ref, kd_ref, dec_ref, p_ref, dfinal_ref,
                                                dfinal_ref[b, h, :, cols])
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "interpret"))
-def scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("precision", "interpret") + _TILING)
+def scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision=None, interpret=False, bv=BV,
+             num_warps=NUM_WARPS, num_stages=NUM_STAGES):
   """``(dS [NC,B,HV,K,V], du [NC,B,HV,C,V], dinit [B,HV,K,V])`` float32: the gradients of
   the chunk-exit states, of the chunks' corrected writes, and of the initial states.
 
   do [NC,B,HV,C,V]; qg, w, kd [NC,B,HV,C,K]; dec [NC,B,HV,K]; P [NC,B,HV,C,C]; dfinal
-  [B,HV,K,V]. V a multiple of BV, or at most BV; ``precision`` as for ``scan_output``."""
+  [B,HV,K,V]. V, ``precision`` and the tiling as for ``scan_output``."""
   nc, b, hv, c, v = do.shape
   outs = [_f32((nc, *dfinal.shape)), _f32((nc, b, hv, c, v)), _f32(dfinal.shape)]
   return _per_value_block(_bwd_kernel, (do, qg, w, kd, dec, P, dfinal), outs,
-                          precision=precision, interpret=interpret)
+                          precision=precision, interpret=interpret, bv=bv,
+                          num_warps=num_warps, num_stages=num_stages)
