@@ -136,11 +136,20 @@ def print_intra(shape, variants=INTRA_VARIANTS):
   G = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(keys[3], dims + (shape.k,))) / 8, -2)
   beta = jax.random.uniform(keys[4], dims + (1,))
   args, dt = (q, k, v, G, beta), jnp.dtype(jnp.bfloat16)
-  fwd = jax.jit(lambda *a: ref._intra(*a, dt))  # pylint: disable=protected-access
+  reference = lambda *a: ref._intra(*a, dt)  # pylint: disable=protected-access
+  by_sub_blocks = lambda *a: ref._intra(*a, dt, by_sub_blocks=True)  # pylint: disable=protected-access
+  fwd = jax.jit(reference)
   want = fwd(*args)
   print(f"intra-chunk stage {shape}, chunk {c}, bf16 pair products")
   print(f"{'engine':<28} {'fwd ms':>8}  rel diff (w U P qg kd dec)")
   print(f"{'XLA (reference)':<28} {device_ms(fwd, args):8.3f}")
+  print_variant("XLA, by sub-blocks", jax.jit(by_sub_blocks), args, want)
+  # The stage's VJP (recompute included), as the backward pass takes it.
+  cts = jax.tree.map(lambda x: jnp.ones_like(x) / x.shape[-1], want)
+  vjp = lambda f: jax.jit(lambda *a: jax.vjp(f, *a)[1](cts))
+  grads = vjp(reference)(*args)
+  print(f"{'XLA VJP (reference)':<28} {device_ms(vjp(reference), args):8.3f}")
+  print_variant("XLA VJP, by sub-blocks", vjp(by_sub_blocks), args, grads)
   for warps, bk, span_limit in variants:
     options = dict(dt=dt, num_warps=warps, bk=bk, span_limit=span_limit,
                    interpret=jax.default_backend() != "gpu")

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
+from cudnn_jax.reference import kda as ref
 from kda_cases import (DIFFERENTIABLE, Config, assert_close, call_op, check_gradients,
                         make_case, run, run_oracle)
 
@@ -113,6 +114,14 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("cfg", [c for _, c in GRAD_CASES], ids=[n for n, _ in GRAD_CASES])
 def test_gradients_match_finite_differences(cfg):
+  check_gradients(cfg, *make_case(cfg), rtol=2e-4, atol=2e-5)
+
+
+def test_gradients_by_the_hierarchy_match_finite_differences(monkeypatch):
+  """Gates too steep for the pair sums by sub-blocks (every span above the limit of 0
+  here) take the hierarchy, forward and backward. A shape of its own: no cached trace."""
+  monkeypatch.setattr(ref, "SPAN_LIMIT", 0.0)
+  cfg = Config(t=46, h=1, hv=2, gate="lower_bound", dt_bias=True, initial_state=True)
   check_gradients(cfg, *make_case(cfg), rtol=2e-4, atol=2e-5)
 
 

@@ -22,6 +22,9 @@ through ``(x_t e^{G_t - G_r}) . (y_s e^{G_r - G_s})`` with r the token just befo
 s <= r < t and, G being non-increasing, both exponents are <= 0 (no overflow; an underflow
 only drops a vanishing term). Each level is one [h, K] x [K, a] product per sub-block, and
 its gradients are the same products transposed; the leaves are the diagonal t = s.
+While the gates decay by at most SPAN_LIMIT over any 16-token sub-block, one product per
+sub-block through the token before it pairs all of its tokens instead (``_by_span``
+picks, with ``lax.cond``).
 
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
@@ -211,12 +214,49 @@ def _strict_pair_bwd(dt, leaves, res, dM):
 _strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
 
 
-def _pair(x, y, G, dt, diagonal, leaves=XLA_LEAVES):
+# The same pair sums as one product per 16-token sub-block: token t of sub-block i meets
+# every token s up to the sub-block's end through r, the token just before the sub-block
+# (G_r = 0 before the chunk): ``(x_t e^{G_t - G_r}) . (y_s e^{G_r - G_s})``. For s inside
+# the sub-block the second factor exceeds 1, by up to e^span, span the decay over the
+# sub-block and r. While every span is at most SPAN_LIMIT, every factor stays far inside
+# float32's and bfloat16's range (e^+-60 ~ 1e+-26 against e^+-87) and the form is as exact
+# as the hierarchy, with two products in place of its levels and plain autodiff for its
+# gradients. ``_intra(..., by_sub_blocks=True)`` takes it; callers check ``max_span``.
+SUB = 16
+SPAN_LIMIT = 60.0
+
+
+def _sub_block_refs(G):
+  """(G_r [..., C/SUB, Kg] for each sub-block's r, G as sub-blocks [..., C/SUB, SUB, Kg])."""
+  Gb = _blocks(G, SUB)
+  return jnp.concatenate([jnp.zeros_like(Gb[..., :1, 0, :]), Gb[..., :-1, -1, :]], -2), Gb
+
+
+def max_span(G):
+  """The largest decay over a sub-block and the token before it, any chunk and channel."""
+  Gr, Gb = _sub_block_refs(G)
+  return jnp.max(Gr - Gb[..., -1, :], initial=0.0)
+
+
+def _pair_by_sub_blocks(x, y, G, dt):
+  """``M_ts`` for every s up to the end of t's sub-block (above the diagonal too): [..., C, C]."""
+  c = G.shape[-2]
+  Gr, Gb = _sub_block_refs(G)
+  xs = _blocks(x, SUB) * jnp.exp(Gb - Gr[..., None, :])  # [..., C/SUB, SUB, K], factors <= 1
+  upto = SUB * (jnp.arange(c // SUB)[:, None] + 1) > jnp.arange(c)  # [C/SUB, C]
+  ys = y[..., None, :, :] * jnp.exp(jnp.where(upto[:, :, None], Gr[..., None, :] - G[..., None, :, :],
+                                              -jnp.inf))  # [..., C/SUB, C, K]
+  return _mm(xs, ys.mT, dt).reshape(G.shape[:-2] + (c, c))
+
+
+def _pair(x, y, G, dt, diagonal, leaves=XLA_LEAVES, by_sub_blocks=False):
   """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t (s <= t if diagonal)."""
   c = G.shape[-2]
+  keep = _causal(c, strict=not diagonal)
   if G.shape[-1] == 1:  # scalar gate: the decay factors out of the sum
-    keep = _causal(c, strict=not diagonal)
     return _mm(x, y.mT, dt) * jnp.exp(jnp.where(keep, G - G.mT, -jnp.inf))  # masked first
+  if by_sub_blocks:
+    return jnp.where(keep, _pair_by_sub_blocks(x, y, G, dt), 0.0)
   M = _strict_pair(x, y, G, dt, leaves)
   if diagonal:
     M = M + jnp.eye(c, dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
@@ -281,17 +321,27 @@ class Intra(NamedTuple):
 
 
 @jax.named_scope("kda_intra")  # scopes name the stages in profiles
-def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES):
+def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES, by_sub_blocks=False):
   """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype;
-  ``leaves`` the pair sums within the first level's sub-blocks."""
+  ``leaves`` the pair sums within the first level's sub-blocks; ``by_sub_blocks``: the
+  pair sums by sub-blocks instead (exact only while ``max_span(G) <= SPAN_LIMIT``)."""
   c = G.shape[-2]
   eG = jnp.exp(G)
-  L = jnp.eye(c, dtype=jnp.float32) + b * _pair(k, k, G, dt, False, leaves)
+  pair = functools.partial(_pair, leaves=leaves, by_sub_blocks=by_sub_blocks)
+  L = jnp.eye(c, dtype=jnp.float32) + b * pair(k, k, G, dt, False)
   wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
   w, U = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:]
-  P = _pair(q, k, G, dt, True, leaves)
+  P = pair(q, k, G, dt, True)
   return Intra(w=w, U=U, P=P, qg=q * eG, kd=k * jnp.exp(G[..., -1:, :] - G),
                dec=jnp.exp(G[..., -1, :]))
+
+
+def _by_span(G, fn, *args):
+  """``fn(by_sub_blocks, *args)``, by sub-blocks when the gates allow (one branch runs)."""
+  if SPAN_LIMIT is None or G.shape[-1] == 1 or G.shape[-2] % SUB:
+    return fn(False, *args)
+  return jax.lax.cond(max_span(G) <= SPAN_LIMIT, functools.partial(fn, True),
+                      functools.partial(fn, False), *args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,7 +418,7 @@ def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
     with jax.named_scope("kda_intra"):
       it = fused.intra(q, k, v, G, beta, dt)
   else:
-    it = _intra(q, k, v, G, beta, dt, fused.pair_leaves)
+    it = _by_span(G, lambda fast: _intra(q, k, v, G, beta, dt, fused.pair_leaves, fast))
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init, o_dtype=dt,
                                     precision=matmul_precision(dt), with_states=with_states)
@@ -399,7 +449,14 @@ def _chunked_bwd(dt, fused, res, cts):
   do, dfinal = cts
   do = _to_chunks(do, q.shape[-2]).astype(jnp.float32)
   prec = matmul_precision(dt)
-  it, intra_vjp = jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves), q, k, v, G, beta)
+  args = (q, k, v, G, beta)
+  if fused.intra is not None and G.shape[-1] > 1:
+    it = fused.intra(*args, dt)
+  else:
+    it = _by_span(G, lambda fast: _intra(*args, dt, fused.pair_leaves, fast))
+
+  def intra_vjp(fast, d):  # recomputes the stage
+    return jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves, fast), *args)[1](d)
 
   def step(carry, x):
     dS, dinit = carry
@@ -438,7 +495,7 @@ def _chunked_bwd(dt, fused, res, cts):
     if G.shape[-1] == 1:
       d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
   with jax.named_scope("kda_intra_bwd"):
-    dq, dk, dv, dG, db = intra_vjp(d)
+    dq, dk, dv, dG, db = _by_span(G, intra_vjp, d)
   return dq, dk, dv, dG, db, dinit, None
 
 
