@@ -244,8 +244,8 @@ def _pair_by_sub_blocks(x, y, G, dt):
   Gr, Gb = _sub_block_refs(G)
   xs = _blocks(x, SUB) * jnp.exp(Gb - Gr[..., None, :])  # [..., C/SUB, SUB, K], factors <= 1
   upto = SUB * (jnp.arange(c // SUB)[:, None] + 1) > jnp.arange(c)  # [C/SUB, C]
-  ys = y[..., None, :, :] * jnp.exp(jnp.where(upto[:, :, None], Gr[..., None, :] - G[..., None, :, :],
-                                              -jnp.inf))  # [..., C/SUB, C, K]
+  up = jnp.where(upto[:, :, None], Gr[..., None, :] - G[..., None, :, :], -jnp.inf)
+  ys = y[..., None, :, :] * jnp.exp(up)  # [..., C/SUB, C, K], factors <= e^span
   return _mm(xs, ys.mT, dt).reshape(G.shape[:-2] + (c, c))
 
 
@@ -402,8 +402,8 @@ class FusedKernels(NamedTuple):
   that is differentiated). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
   du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
   for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G,
-  b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
-  recomputes and differentiates the XLA stage.
+  b, dt) -> Intra``: the intra-chunk stage (per-channel gates); the backward pass reads its
+  outputs too and differentiates the XLA stage.
   """
   chunks: object = None
   scan_output: object = None
@@ -436,9 +436,9 @@ def chunked(dt, fused, q, k, v, G, beta, init, seg):
   """``o [B,NC*C,HV,V]`` in dt and final states ``[N,HV,K,V]`` float32.
 
   q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; G [NC,B,HV,C,Kg] (the log decays summed
-  along each chunk); beta [NC,B,HV,C,1];
-  init [N,HV,K,V]; seg a ``Segments`` (B = 1) or None (then N = B, one sequence per row);
-  dt the dtype of the chunk-parallel matmul operands; fused None or ``FusedKernels``.
+  along each chunk); beta [NC,B,HV,C,1]; init [N,HV,K,V]; seg a ``Segments`` (B = 1) or
+  None (then N = B, one sequence per row); dt the dtype of the chunk-parallel matmul
+  operands; fused None or ``FusedKernels``.
   """
   return _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=False)[0]
 
@@ -582,7 +582,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
   [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; cu_seqlens [N+1] or None.
   ``fused``: None, or ``FusedKernels`` replacing stages (see there).
   """
-  b, t, h, kdim = q.shape
+  b, t, _, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
   dtype = q.dtype
   f32 = lambda x: jnp.asarray(x, jnp.float32)
