@@ -169,7 +169,7 @@ def print_variant(name, fn, args, want):
 
 
 # (bv, num_warps, num_stages) of the state scans.
-SCAN_VARIANTS = ((64, 4, 1), (32, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1))
+SCAN_VARIANTS = ((64, 4, 1), (32, 4, 1), (16, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1))
 
 
 def print_scan(shape, variants=SCAN_VARIANTS):
