@@ -451,7 +451,8 @@ def _chunked_bwd(dt, fused, res, cts):
   prec = matmul_precision(dt)
   args = (q, k, v, G, beta)
   if fused.intra is not None and G.shape[-1] > 1:
-    it = fused.intra(*args, dt)
+    with jax.named_scope("kda_intra"):
+      it = fused.intra(*args, dt)
   else:
     it = _by_span(G, lambda fast: _intra(*args, dt, fused.pair_leaves, fast))
 
