@@ -23,8 +23,8 @@ s <= r < t and, G being non-increasing, both exponents are <= 0 (no overflow; an
 only drops a vanishing term). Each level is one [h, K] x [K, a] product per sub-block, and
 its gradients are the same products transposed; the leaves are the diagonal t = s.
 While the gates decay by at most SPAN_LIMIT over any 16-token sub-block, one product per
-sub-block through the token before it pairs all of its tokens instead (``_by_span``
-picks, with ``lax.cond``).
+sub-block through the token before it pairs all of its tokens instead
+(``_intra_by_span`` picks, with ``lax.cond``).
 
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
@@ -336,12 +336,13 @@ def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES, by_sub_blocks=False):
                dec=jnp.exp(G[..., -1, :]))
 
 
-def _by_span(G, fn, *args):
-  """``fn(by_sub_blocks, *args)``, by sub-blocks when the gates allow (one branch runs)."""
+def _intra_by_span(q, k, v, G, b, dt, leaves):
+  """``_intra`` with the pair sums by sub-blocks when the gates allow, by the hierarchy
+  otherwise (one branch of a ``lax.cond`` runs; its VJP is that branch's)."""
+  stage = lambda by_sub_blocks: _intra(q, k, v, G, b, dt, leaves, by_sub_blocks)
   if SPAN_LIMIT is None or G.shape[-1] == 1 or G.shape[-2] % SUB:
-    return fn(False, *args)
-  return jax.lax.cond(max_span(G) <= SPAN_LIMIT, functools.partial(fn, True),
-                      functools.partial(fn, False), *args)
+    return stage(False)
+  return jax.lax.cond(max_span(G) <= SPAN_LIMIT, lambda: stage(True), lambda: stage(False))
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,8 +403,8 @@ class FusedKernels(NamedTuple):
   that is differentiated). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
   du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
   for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G,
-  b, dt) -> Intra``: the intra-chunk stage (per-channel gates); the backward pass reads its
-  outputs too and differentiates the XLA stage.
+  b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
+  recomputes and differentiates the XLA stage.
   """
   chunks: object = None
   scan_output: object = None
@@ -418,7 +419,7 @@ def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
     with jax.named_scope("kda_intra"):
       it = fused.intra(q, k, v, G, beta, dt)
   else:
-    it = _by_span(G, lambda fast: _intra(q, k, v, G, beta, dt, fused.pair_leaves, fast))
+    it = _intra_by_span(q, k, v, G, beta, dt, fused.pair_leaves)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init, o_dtype=dt,
                                     precision=matmul_precision(dt), with_states=with_states)
@@ -449,15 +450,8 @@ def _chunked_bwd(dt, fused, res, cts):
   do, dfinal = cts
   do = _to_chunks(do, q.shape[-2]).astype(jnp.float32)
   prec = matmul_precision(dt)
-  args = (q, k, v, G, beta)
-  if fused.intra is not None and G.shape[-1] > 1:
-    with jax.named_scope("kda_intra"):
-      it = fused.intra(*args, dt)
-  else:
-    it = _by_span(G, lambda fast: _intra(*args, dt, fused.pair_leaves, fast))
-
-  def intra_vjp(fast, d):  # recomputes the stage
-    return jax.vjp(lambda *a: _intra(*a, dt, fused.pair_leaves, fast), *args)[1](d)
+  it, intra_vjp = jax.vjp(lambda *a: _intra_by_span(*a, dt, fused.pair_leaves),
+                          q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
@@ -496,7 +490,7 @@ def _chunked_bwd(dt, fused, res, cts):
     if G.shape[-1] == 1:
       d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
   with jax.named_scope("kda_intra_bwd"):
-    dq, dk, dv, dG, db = _by_span(G, intra_vjp, d)
+    dq, dk, dv, dG, db = intra_vjp(d)
   return dq, dk, dv, dG, db, dinit, None
 
 
