@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
 
-    python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan] [--engine xla|cute]
+    python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan] [--engine xla,cute]
                         [--shapes 8x4096]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
@@ -12,8 +12,8 @@ fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (C
 tensors, torch.cuda.Event timing) and its outputs are compared with ours.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
---engine picks the cudnn_jax engine (default xla; "cute" runs the forward's inter-chunk
-state recurrence as one GPU kernel); --forward-only leaves out forward+backward; --shapes
+--engine picks the cudnn_jax engines, comma-separated (default xla; "cute": the GPU
+kernels of cudnn_jax/pallas/), each a row beside the same FLA timing; --forward-only leaves out forward+backward; --shapes
 takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
 --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
@@ -21,7 +21,7 @@ XLA's command buffers turned off so that every kernel is seen. With --intra: ins
 the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's (the
 reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and span limit.
 With --scan: the state scan kernels (pallas/kda_scan.py) alone by tiling, at --shapes.
-Writes DIR/kda_<engine>.json (DIR defaults to bench/results).
+Writes DIR/kda_<engines>.json (DIR defaults to bench/results).
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def inputs(shape, seed=0):
 ENGINE = "xla"  # --engine
 
 
-def jitted(x, backward, chunk_size=64):
-  """(jitted cudnn_jax.kda on ENGINE, forward or gradients, its arguments)."""
+def jitted(x, backward, chunk_size=64, engine=None):
+  """(jitted cudnn_jax.kda on ``engine`` (default ENGINE), forward or gradients, its
+  arguments)."""
   attn = lambda q, k, v, g, beta: cudnn_jax.kda(
       q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
-      implementation=ENGINE)[0]
+      implementation=engine or ENGINE)[0]
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
   if backward:
     loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * x["do"].astype(jnp.float32))
@@ -90,9 +91,9 @@ def jitted(x, backward, chunk_size=64):
   return jax.jit(attn), args
 
 
-def ours(x, backward):
-  """(ms, back-to-back ms, forward output or None) for cudnn_jax.kda on ENGINE."""
-  fn, args = jitted(x, backward)
+def ours(x, backward, engine):
+  """(ms, back-to-back ms, forward output or None) for cudnn_jax.kda on ``engine``."""
+  fn, args = jitted(x, backward, engine=engine)
   return (1e3 * time_calls(fn, args, CALLS, WARMUP),
           1e3 * time_back_to_back(fn, args, B2B_CALLS, WARMUP),
           None if backward else fn(*args))
@@ -180,7 +181,9 @@ def print_scan(shape, variants=SCAN_VARIANTS):
   nc = shape.t // c
   chunk = lambda key, d: jax.random.normal(key, (nc, shape.b, shape.h, c, d)) / 8
   keys = jax.random.split(jax.random.key(0), 8)
-  w, kd, qg = (chunk(key, shape.k) for key in keys[:3])
+  # w and the decayed k small enough that the states stay bounded over 256 chunks.
+  w, kd = (chunk(key, shape.k) / 2 for key in keys[:2])
+  qg = chunk(keys[2], shape.k)
   U, do = chunk(keys[3], shape.v), chunk(keys[4], shape.v)
   P = jnp.tril(chunk(keys[5], c))
   dec = jax.random.uniform(keys[6], (nc, shape.b, shape.h, shape.k), minval=0.9, maxval=1.0)
@@ -231,33 +234,38 @@ def fla(torch, chunk_kda, x, backward):
   return ms, ms_b2b, out
 
 
-def run(shapes, anchor, passes=(False, True)):
+def run(shapes, anchor, engines, passes=(False, True)):
+  """One row per shape, pass and engine; FLA (when ``anchor`` has it) once per shape and
+  pass, beside every engine."""
   rows = []
   for shape in shapes:
     x = inputs(shape)
     for backward in passes:
-      row = dict(dataclasses.asdict(shape), backward=backward)
-      try:
-        row["ms"], row["ms_b2b"], out = ours(x, backward)
-      except Exception as e:  # pylint: disable=broad-except
-        row["error"], out = error_text(e), None
+      theirs = {}
       if anchor[0] is not None:
         try:
-          row["fla_ms"], row["fla_ms_b2b"], fla_out = fla(*anchor, x, backward)
-          if row.get("ms"):
-            row["fla_speedup"] = row["ms"] / row["fla_ms"]  # > 1: FLA is faster
-            row["fla_speedup_b2b"] = row["ms_b2b"] / row["fla_ms_b2b"]
+          theirs["fla_ms"], theirs["fla_ms_b2b"], fla_out = fla(*anchor, x, backward)
+        except Exception as e:  # pylint: disable=broad-except
+          theirs["fla_error"] = error_text(e)
+      for engine in engines:
+        row = dict(dataclasses.asdict(shape), backward=backward, engine=engine, **theirs)
+        try:
+          row["ms"], row["ms_b2b"], out = ours(x, backward, engine)
+        except Exception as e:  # pylint: disable=broad-except
+          row["error"], out = error_text(e), None
+        if row.get("ms") and row.get("fla_ms"):
+          row["fla_speedup"] = row["ms"] / row["fla_ms"]  # > 1: FLA is faster
+          row["fla_speedup_b2b"] = row["ms_b2b"] / row["fla_ms_b2b"]
           if out is not None:
             row["rel_diff_vs_fla"] = rel_diff(out, fla_out)
-        except Exception as e:  # pylint: disable=broad-except
-          row["fla_error"] = error_text(e)
-      print_row(row)
-      rows.append(row)
+        print_row(row)
+        rows.append(row)
     del x
   return rows
 
 
-HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'cudnn_jax ms':>13} "
+HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'engine':>6} "
+          f"{'cudnn_jax ms':>13} "
           f"{'FLA ms':>9} {'ratio':>6} {'b2b ms':>8} {'FLA b2b':>8} {'ratio':>6} "
           f"{'rel diff':>9}")
 
@@ -266,6 +274,7 @@ def print_row(r):
   f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
   pass_ = "fwd+bwd" if r["backward"] else "fwd"
   line = (f"{r['b']:>3} {r['t']:>6} {r['h']:>3} {r['k']:>4} {r['v']:>4} {pass_:>8} "
+          f"{r['engine']:>6} "
           f"{f('ms', '.3f'):>13} {f('fla_ms', '.3f'):>9} {f('fla_speedup', '.2f'):>6} "
           f"{f('ms_b2b', '.3f'):>8} {f('fla_ms_b2b', '.3f'):>8} "
           f"{f('fla_speedup_b2b', '.2f'):>6} {f('rel_diff_vs_fla', '.1e'):>9}")
@@ -283,14 +292,19 @@ def main():
                       help="instead of the table, the intra-chunk stage: XLA against the kernel")
   parser.add_argument("--scan", action="store_true",
                       help="instead of the table, the state scan kernels by tiling")
-  parser.add_argument("--engine", default="xla", choices=("xla", "cute"))
+  parser.add_argument("--engine", default="xla",
+                      help="cudnn_jax engines, comma-separated: xla, cute (the table runs "
+                           "each; the other modes the first)")
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
                       help="comma-separated BxT pairs (H=16, K=V=128)")
   args = parser.parse_args()
+  engines = args.engine.split(",")
+  if unknown := set(engines) - {"xla", "cute"}:
+    parser.error(f"--engine: unknown {sorted(unknown)}")
   global ENGINE  # pylint: disable=global-statement
-  ENGINE = args.engine
-  print(f"cudnn_jax engine: {ENGINE}")
+  ENGINE = engines[0]
+  print(f"cudnn_jax engines: {', '.join(engines)}")
   if args.profile:
     print_profile(Shape(b=2, t=256, h=2, k=32, v=32) if args.quick
                   else Shape(b=8, t=4096, h=16, k=128, v=128))
@@ -315,11 +329,11 @@ def main():
   print("ratio = cudnn_jax ms / FLA ms (> 1: FLA is faster)")
   print(HEADER)
   start = time.perf_counter()
-  rows = run(shapes, anchor, (False,) if args.forward_only else (False, True))
+  rows = run(shapes, anchor, engines, (False,) if args.forward_only else (False, True))
   elapsed = time.perf_counter() - start
-  path = write_results(args.out, f"kda_{ENGINE}", rows, quick=args.quick, seconds=elapsed,
+  path = write_results(args.out, "kda_" + "_".join(engines), rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
-                       engine=ENGINE)
+                       engines=engines)
   print(f"{elapsed:.0f} s; wrote {path}")
 
 

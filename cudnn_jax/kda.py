@@ -217,17 +217,17 @@ for _op in ("kda", "gdn"):
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cute", our own GPU kernels: for now the xla engine with stages as Pallas kernels
-# compiled by XLA through Triton (cudnn_jax/pallas/): the preprocessing, tokens to
+# "cute", our own GPU kernels, the default on a GPU: the xla engine with stages as Pallas
+# kernels compiled by XLA through Triton (cudnn_jax/pallas/): the preprocessing, tokens to
 # normalized float32 chunks with the gates summed (kda_chunks.py); the forward's
 # intra-chunk stage, one program per chunk and head (kda_intra.py; its VJP as a kernel was
 # slower than jax.vjp of XLA's stage, which the backward differentiates); the state
 # recurrence with the outputs, forward, and the recurrence backward, one program per
-# sequence, head and 64 value columns (kda_scan.py; packed sequences keep the XLA scan);
-# the backward's pair sums within 16-token sub-blocks (kda_pairs.py). On an H200 at B=8
-# T=4096 H=16 K=V=128 bf16, back to back: forward 3.9 ms, forward+backward 19.5 (xla
-# engine 6.6 and 21.7; stage by stage figures in bench/NOTES.md).
-# Opt-in until it is timed beside the xla engine at every benchmark shape.
+# sequence, head and 64 (or 32) value columns (kda_scan.py; packed sequences keep the XLA
+# scan); the backward's pair sums within 16-token sub-blocks when the gates decay too fast
+# for one product per sub-block (kda_pairs.py). On an H200 at B=8 T=4096 H=16 K=V=128 bf16,
+# back to back: forward 2.7 ms, forward+backward 15.4 (xla engine 7.2 and 21.6; FLA 1.9
+# and 9.8; stage by stage figures in bench/NOTES.md).
 
 
 def _supports_fused(call: KdaCall) -> str | None:
@@ -250,4 +250,4 @@ def _run_fused(call: KdaCall, x: KdaInputs):
                                                   intra=kda_intra.intra))
 
 
-engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused, opt_in=True)
+engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused)

@@ -24,7 +24,7 @@ only drops a vanishing term). Each level is one [h, K] x [K, a] product per sub-
 its gradients are the same products transposed; the leaves are the diagonal t = s.
 While the gates decay by at most SPAN_LIMIT over any 16-token sub-block, one product per
 sub-block through the token before it pairs all of its tokens instead
-(``_intra_by_span`` picks, with ``lax.cond``).
+(``_by_span`` picks, with ``lax.cond``).
 
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
@@ -336,10 +336,9 @@ def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES, by_sub_blocks=False):
                dec=jnp.exp(G[..., -1, :]))
 
 
-def _intra_by_span(q, k, v, G, b, dt, leaves):
-  """``_intra`` with the pair sums by sub-blocks when the gates allow, by the hierarchy
-  otherwise (one branch of a ``lax.cond`` runs; its VJP is that branch's)."""
-  stage = lambda by_sub_blocks: _intra(q, k, v, G, b, dt, leaves, by_sub_blocks)
+def _by_span(stage, G):
+  """``stage(by_sub_blocks)``: by sub-blocks when the gates allow (``max_span(G) <=
+  SPAN_LIMIT``), by the hierarchy otherwise; one branch of a ``lax.cond`` runs."""
   if SPAN_LIMIT is None or G.shape[-1] == 1 or G.shape[-2] % SUB:
     return stage(False)
   return jax.lax.cond(max_span(G) <= SPAN_LIMIT, lambda: stage(True), lambda: stage(False))
@@ -419,7 +418,7 @@ def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
     with jax.named_scope("kda_intra"):
       it = fused.intra(q, k, v, G, beta, dt)
   else:
-    it = _intra_by_span(q, k, v, G, beta, dt, fused.pair_leaves)
+    it = _by_span(functools.partial(_intra, q, k, v, G, beta, dt, fused.pair_leaves), G)
   if fused.scan_output is not None and seg is None:
     o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init, o_dtype=dt,
                                     precision=matmul_precision(dt), with_states=with_states)
@@ -445,13 +444,18 @@ def chunked(dt, fused, q, k, v, G, beta, init, seg):
 
 
 def _chunked_bwd(dt, fused, res, cts):
-  fused = fused or FusedKernels()
+  # The whole pass in each branch of the span's lax.cond: the residuals of the recomputed
+  # intra stage stay inside the branch (a cond under jax.vjp would return both branches').
+  return _by_span(functools.partial(_backward, dt, fused or FusedKernels(), res, cts), res[3])
+
+
+def _backward(dt, fused, res, cts, by_sub_blocks):
   q, k, v, G, beta, init, seg, S = res
   do, dfinal = cts
   do = _to_chunks(do, q.shape[-2]).astype(jnp.float32)
   prec = matmul_precision(dt)
-  it, intra_vjp = jax.vjp(lambda *a: _intra_by_span(*a, dt, fused.pair_leaves),
-                          q, k, v, G, beta)
+  it, intra_vjp = jax.vjp(
+      lambda *a: _intra(*a, dt, fused.pair_leaves, by_sub_blocks), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
