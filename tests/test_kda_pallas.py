@@ -160,3 +160,13 @@ def test_kernels_lower_to_triton_for_sm90():
     registration.gpu_info_lib.get_gpu_info = original
   for exported in (scan, scan_alone, scan_bwd, pairs, pairs_bwd, intra, chunks):
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+def test_scan_tiling_by_program_count():
+  # (bv, warps, stages): 64 value columns per program while B x HV x V/64 fills an H200's
+  # SMs, else 32; what the caller names wins.
+  assert kda_scan._tiling(8, 16, 128, None, None, None, True) == (64, 4, 1)
+  assert kda_scan._tiling(2, 16, 128, None, None, None, True) == (32, 4, 2)
+  assert kda_scan._tiling(2, 16, 128, None, None, None, False) == (32, 4, 1)
+  assert kda_scan._tiling(2, 16, 128, 16, 8, None, False) == (16, 8, 1)
+  assert kda_scan._tiling(1, 1, 16, None, None, None, True) == (64, 4, 1)  # one block of 16
