@@ -226,7 +226,7 @@ for _op in ("kda", "gdn"):
 # sequence, head and 64 (or 32) value columns (kda_scan.py; packed sequences keep the XLA
 # scan); the backward's pair sums within 16-token sub-blocks when the gates decay too fast
 # for one product per sub-block (kda_pairs.py). On an H200 at B=8 T=4096 H=16 K=V=128 bf16,
-# back to back: forward 2.7 ms, forward+backward 15.4 (xla engine 7.2 and 21.6; FLA 1.9
+# back to back: forward 2.7 ms, forward+backward 15.4 (xla engine 7.4 and 21.5; FLA 1.95
 # and 9.8; stage by stage figures in bench/NOTES.md).
 
 
