@@ -55,11 +55,11 @@ def _dot(a, b, precision, transpose_b=False):
                              preferred_element_type=jnp.float32)
 
 
-def _rows_at(ref_, cs, blk, offset, n=SUB):
-  """[C, len(cs)]: row t holds ``ref_[n * blk(t) + offset, cs]`` (blk [C, 1])."""
+def _rows_at(ref_, cs, blk, offset):
+  """[C, len(cs)]: row t holds ``ref_[SUB * blk(t) + offset, cs]`` (blk [C, 1])."""
   out = None
-  for i in range(ref_.shape[0] // n):
-    row = ref_[pl.ds(n * i + offset, 1), cs]
+  for i in range(ref_.shape[0] // SUB):
+    row = ref_[pl.ds(SUB * i + offset, 1), cs]
     out = row if out is None else jnp.where(blk == i, row, out)
   return out
 
@@ -219,8 +219,8 @@ def intra(q, k, v, G, b, dt, *, interpret=False, num_warps=NUM_WARPS, bk=BK,
   inside sub-blocks always summed directly)."""
   lead, (c, kdim), vdim = q.shape[:-2], q.shape[-2:], v.shape[-1]
   shapes = [(c, kdim), (c, vdim), (c, c), (c, kdim), (c, kdim), (1, kdim)]
-  outs = _per_chunk(functools.partial(_kernel, span_limit=span_limit), (q, k, v, G, b[..., 0]),
-                    shapes,
-                    dt=dt, bk=bk, interpret=interpret, num_warps=num_warps)
+  kernel = functools.partial(_kernel, span_limit=span_limit)
+  outs = _per_chunk(kernel, (q, k, v, G, b[..., 0]), shapes, dt=dt, bk=bk,
+                    interpret=interpret, num_warps=num_warps)
   w, U, P, qg, kd, dec = (o.reshape(*lead, *o.shape[1:]) for o in outs)
   return ref.Intra(w=w, U=U, P=P, qg=qg, kd=kd, dec=dec[..., 0, :])
