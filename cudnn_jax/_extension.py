@@ -43,12 +43,13 @@ def unavailable_reason() -> str | None:
 
 
 def cache_info() -> dict:
-  """Process-wide cuDNN plan cache counters (size, capacity, hits, misses, evictions) and
-  ``plans``: for each cached key, the name of the execution plan chosen for it (cuDNN's
-  engine and knobs; empty before its first run or when cuDNN cannot serve the key)."""
+  """Process-wide cuDNN plan cache counters (size, capacity, hits, misses, evictions),
+  ``recorded`` (plan runs XLA recorded into its CUDA graphs) and ``plans``: for each cached
+  key, the name of the execution plan chosen for it (cuDNN's engine and knobs; empty
+  before its first run or when cuDNN cannot serve the key)."""
   m = module()
   if m is None:
-    return dict(size=0, capacity=0, hits=0, misses=0, evictions=0, plans={})
+    return dict(size=0, capacity=0, hits=0, misses=0, evictions=0, recorded=0, plans={})
   return dict(m.cache_info())
 
 

@@ -192,6 +192,7 @@ nb::dict cache_info() {
   out["hits"] = info.hits;
   out["misses"] = info.misses;
   out["evictions"] = info.evictions;
+  out["recorded"] = info.recorded;
   nb::dict plans;
   for (const auto& [key, name] : info.plans) plans[key.c_str()] = name;
   out["plans"] = plans;

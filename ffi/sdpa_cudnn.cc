@@ -558,7 +558,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())       // [lse]
-                                  .Attr<bool>("with_lse"));
+                                  .Attr<bool>("with_lse"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                               with_sdpa_attributes(ffi::Ffi::Bind()
@@ -575,4 +576,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
                                   .RemainingRets())  // [dbias]
-                                  .Attr<bool>("has_dbias"));
+                                  .Attr<bool>("has_dbias"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -491,5 +491,5 @@ def test_cudnn_engine_python_side_matches_xla(monkeypatch, t, s):
 
 def test_cache_info_reports_counters_and_plans():
   info = cudnn_jax.cache_info()
-  assert {"size", "capacity", "hits", "misses", "evictions", "plans"} <= set(info)
+  assert {"size", "capacity", "hits", "misses", "evictions", "recorded", "plans"} <= set(info)
   assert isinstance(info["plans"], dict) and len(info["plans"]) == info["size"]

@@ -78,11 +78,27 @@ ffi::Error workspace_error(std::string_view op, std::string_view stage, int64_t 
                      " (aligned to " + std::to_string(kWorkspaceAlignment) + ")"));
 }
 
-// Whether `stream` is recording a CUDA graph (XLA's command buffers): no timing then.
-bool capturing(cudaStream_t stream) {
+cudaStreamCaptureStatus capture_status(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-         status != cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return cudaStreamCaptureStatusNone;
+  }
+  return status;
+}
+
+// Whether `stream` is recording a CUDA graph (XLA's command buffers): nothing may wait on
+// the device then, so no timing.
+bool capturing(cudaStream_t stream) {
+  return capture_status(stream) != cudaStreamCaptureStatusNone;
+}
+
+const char* capture_text(cudaStream_t stream) {
+  switch (capture_status(stream)) {
+    case cudaStreamCaptureStatusNone: return "not capturing";
+    case cudaStreamCaptureStatusActive: return "capturing";
+    default: return "capture invalidated";
+  }
 }
 
 struct Events {
@@ -110,23 +126,28 @@ float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_
   return ms;
 }
 
-// Picks plan.plan_index: the fastest timed candidate, or the heuristic's first choice
-// (autotuning off, or the stream capturing a CUDA graph, where nothing can be timed).
-// Candidates whose workspace does not fit `workspace` are skipped.
-ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
-                       const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
-                       std::string_view op) {
-  std::vector<Candidate> candidates;
+// The candidates whose workspace fits `workspace`, in order.
+std::vector<Candidate> fitting_candidates(const CachedPlan& plan, const Workspace& workspace) {
+  std::vector<Candidate> out;
   for (const Candidate& c : tuning_candidates(plan)) {
     void* unused;
     if (aligned_workspace(workspace, plan_workspace(*c.graph, c.index), &unused)) {
-      candidates.push_back(c);
+      out.push_back(c);
     }
   }
+  return out;
+}
+
+// Picks plan.plan_index: the fastest timed candidate, or the heuristic's first choice
+// (autotuning off). Candidates whose workspace does not fit `workspace` are skipped.
+ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
+                       const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
+                       std::string_view op) {
+  std::vector<Candidate> candidates = fitting_candidates(plan, workspace);
   if (candidates.empty()) {
     return internal_error(stage_message(op, "autotune", "no built plan fits the workspace"));
   }
-  if (!autotune_enabled() || capturing(stream)) candidates.resize(1);
+  if (!autotune_enabled()) candidates.resize(1);
   auto keep = [&plan](const Candidate& best) {
     plan.graph = best.graph;
     plan.alternatives.clear();  // the losers' plans are not needed any more
@@ -236,24 +257,38 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
                     std::string_view op) {
   std::lock_guard<std::mutex> handle_lock(handle.mu);
   if (std::string err = set_handle_stream(handle, stream); !err.empty()) {
-    return internal_error(stage_message(op, "set_stream", err));
+    return internal_error(
+        stage_message(op, "set_stream", err + " (stream " + capture_text(stream) + ")"));
   }
+  Candidate run;
   {
     std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
-    if (plan.plan_index < 0) {
-      if (ffi::Error err = choose_plan(plan, handle.handle, stream, workspace, tensors, op);
-          err.failure()) {
-        return err;
+    if (plan.plan_index < 0 && capturing(stream)) {
+      // A CUDA graph is being recorded, so nothing can be timed: this run takes the
+      // heuristic's choice and leaves the choice to the first run outside a graph.
+      std::vector<Candidate> candidates = fitting_candidates(plan, workspace);
+      if (candidates.empty()) {
+        return internal_error(stage_message(op, "plan", "no built plan fits the workspace"));
       }
+      run = candidates[0];
+    } else {
+      if (plan.plan_index < 0) {
+        if (ffi::Error err = choose_plan(plan, handle.handle, stream, workspace, tensors, op);
+            err.failure()) {
+          return err;
+        }
+      }
+      run = {plan.graph, plan.plan_index};
     }
   }
 
+  if (capturing(stream)) PlanCache::global().count_recorded();
+  int64_t size = plan_workspace(*run.graph, run.index);
   void* aligned = nullptr;
-  if (!aligned_workspace(workspace, plan.workspace_size, &aligned)) {
-    return workspace_error(op, "workspace", plan.workspace_size, workspace);
+  if (!aligned_workspace(workspace, size, &aligned)) {
+    return workspace_error(op, "workspace", size, workspace);
   }
-  if (auto err = plan.graph->execute_plan_at_index(handle.handle, tensors, aligned,
-                                                   plan.plan_index);
+  if (auto err = run.graph->execute_plan_at_index(handle.handle, tensors, aligned, run.index);
       err.is_bad()) {
     return internal_error(stage_message(op, "execute", err));
   }
@@ -292,8 +327,10 @@ std::shared_ptr<CachedPlan> find_plan(
 }
 
 int stream_device(cudaStream_t stream, std::string* error) {
+  // While XLA records a CUDA graph, only capture-safe calls may touch the stream; the
+  // device XLA runs the call on is then the thread's current one.
   int device = -1;
-  if (cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
+  if (!capturing(stream) && cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
   cudaGetLastError();
   return current_device(error);
 }

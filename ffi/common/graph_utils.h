@@ -68,9 +68,9 @@ int64_t plan_workspace_bytes(Find find, std::string* error) {
 }
 
 // Runs `plan` on `stream` with tensors bound by uid. On the first run of a plan, times up
-// to 8 candidate plans that fit `workspace` and keeps the fastest (unless
-// CUDNN_JAX_AUTOTUNE=0, or the stream is capturing a CUDA graph: then the heuristic's
-// first choice).
+// to 8 candidate plans that fit `workspace` and keeps the fastest (the heuristic's first
+// choice with CUDNN_JAX_AUTOTUNE=0). A run recorded into a CUDA graph before that takes the
+// heuristic's choice without keeping it.
 ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
                     const Workspace& workspace, std::unordered_map<int64_t, void*>& tensors,
                     std::string_view op);

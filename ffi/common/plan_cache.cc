@@ -51,7 +51,7 @@ std::shared_ptr<CachedPlan> PlanCache::get_or_build(
 PlanCacheInfo PlanCache::info() const {
   std::lock_guard<std::mutex> lock(mu_);
   PlanCacheInfo out{static_cast<int64_t>(lru_.size()), static_cast<int64_t>(capacity_), hits_,
-                    misses_, evictions_, {}};
+                    misses_, evictions_, recorded_.load(), {}};
   for (const auto& [key, plan] : lru_) {
     std::lock_guard<std::mutex> tune_lock(plan->tune_mu);
     out.plans.emplace_back(key, plan->plan_name);

@@ -2,6 +2,7 @@
 // Keys are strings that name the device, the op, dtypes, shapes and attributes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -37,6 +38,7 @@ struct CachedPlan {
 
 struct PlanCacheInfo {
   int64_t size, capacity, hits, misses, evictions;
+  int64_t recorded;  // plan runs written into a CUDA graph being captured (command buffers)
   // (key, chosen plan's name) of each entry, most recently used first; the name is empty
   // before the entry's first execution or when cuDNN cannot serve the key.
   std::vector<std::pair<std::string, std::string>> plans;
@@ -56,6 +58,8 @@ class PlanCache {
 
   PlanCacheInfo info() const;
 
+  void count_recorded() { recorded_.fetch_add(1, std::memory_order_relaxed); }
+
  private:
   using Lru = std::list<std::pair<std::string, std::shared_ptr<CachedPlan>>>;
 
@@ -66,6 +70,7 @@ class PlanCache {
   Lru lru_;  // most recently used first
   std::unordered_map<std::string, Lru::iterator> index_;
   int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+  std::atomic<int64_t> recorded_{0};
 };
 
 }  // namespace cudnn_jax

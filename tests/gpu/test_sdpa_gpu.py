@@ -22,6 +22,8 @@ from sdpa_oracle import (Config, cotangent, differentiable, keep_of, make_case, 
 
 pytestmark = pytest.mark.gpu
 
+# XLA forms a CUDA graph (command buffer) around any two adjacent commands.
+GRAPH_EVERYTHING = {"xla_gpu_graph_min_graph_size": 1}
 REL_TOL = 2e-2  # ||a - b|| / ||b|| for out and every gradient
 LSE_TOL = 2e-2  # max |a - b| over finite lse entries
 ORACLE_MAX_ELEMENTS = 4_000_000  # B*N*T*S up to which the float64 oracle is also checked
@@ -210,6 +212,35 @@ def test_grad_under_jit_matches_xla_engine():
 
   for name, g, r in zip("qkvb", grads("cudnn"), grads("xla")):
     assert rel_err(g, r) <= REL_TOL, name
+
+
+def test_calls_recorded_in_a_cuda_graph_match_the_xla_engine():
+  """XLA records the handlers into its CUDA graphs (command buffers) with the kernels
+  around them; replayed on other inputs they match the xla engine."""
+  def chain(q, k, v, implementation):
+    def loss(q, k, v):
+      out = q
+      for _ in range(3):  # out has q's shape: feed it back as the next query
+        out = cudnn_jax.sdpa(jnp.sin(out), k, v, is_causal=True,
+                             implementation=implementation)
+      return jnp.sum(out.astype(jnp.float32) ** 2), out
+    return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  graphed = jax.jit(functools.partial(chain, implementation="cudnn"),
+                    compiler_options=GRAPH_EVERYTHING)
+  reference = jax.jit(functools.partial(chain, implementation="xla"))
+  config = Config(b=2, t=256, s=256, n=4, k=4, **BF16)
+  recorded = cudnn_jax.cache_info()["recorded"]
+  for seed in range(3):
+    (q, k, v), _ = make_case(config, seed=seed)
+    grads, out = graphed(q, k, v)
+    ref_grads, ref_out = reference(q, k, v)
+    # Three bf16 calls deep: twice the tolerance of one call.
+    assert rel_err(out, ref_out) <= 2 * REL_TOL
+    for name, g, r in zip("qkv", grads, ref_grads):
+      assert rel_err(g, r) <= 2 * REL_TOL, name
+  # Three forward and three backward calls, each recorded at least once.
+  assert cudnn_jax.cache_info()["recorded"] - recorded >= 6
 
 
 def test_cache_info_counters_grow():
