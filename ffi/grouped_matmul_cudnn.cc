@@ -149,4 +149,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxGroupedMatmul, cudnn_jax::grouped_matmul,
                                   .Arg<xla::ffi::AnyBuffer>()   // rhs
                                   .Arg<xla::ffi::AnyBuffer>()   // offsets
                                   .Ret<xla::ffi::AnyBuffer>()   // out
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace (u8)
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace (u8)
+                              {xla::ffi::Traits::kCmdBufferCompatible});
