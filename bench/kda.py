@@ -1,7 +1,7 @@
-"""Benchmark of cudnn_jax.kda against FLA's chunk_kda when it is installed.
+"""Benchmark of cudnn_jax.kda (or gdn) against FLA's chunk_kda (chunk_gated_delta_rule).
 
     python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan] [--engine xla,cute]
-                        [--shapes 8x4096]
+                        [--shapes 8x4096] [--op kda|gdn]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -9,7 +9,9 @@ beta), median ms of single jitted calls, then "b2b": 10 calls issued back to bac
 one wait (JAX) or between two CUDA events (FLA), per call, the throughput of a training
 loop without each call's launch-and-wait latency. When ``torch`` and ``fla`` import (``from
 fla.ops.kda import chunk_kda``), FLA runs the same inputs in the same process (CUDA
-tensors, torch.cuda.Event timing) and its outputs are compared with ours.
+tensors, torch.cuda.Event timing) and its outputs are compared with ours. With --op gdn:
+cudnn_jax.gdn (a float32 log decay per head, g [B,T,H]) against FLA's
+chunk_gated_delta_rule, in the table.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
 --engine picks the cudnn_jax engines, comma-separated (default xla; "cute": the GPU
@@ -21,7 +23,7 @@ XLA's command buffers turned off so that every kernel is seen. With --intra: ins
 the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's (the
 reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and span limit.
 With --scan: the state scan kernels (pallas/kda_scan.py) alone by tiling, at --shapes.
-Writes DIR/kda_<engines>.json (DIR defaults to bench/results).
+Writes DIR/<op>_<engines>.json (DIR defaults to bench/results).
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ class Shape:
 
 
 def inputs(shape, seed=0):
-  """q, k, v, beta bfloat16; g float32 log decays; do (output cotangent) bfloat16."""
+  """q, k, v, beta bfloat16; g float32 log decays (per channel, or per head for gdn); do
+  (output cotangent) bfloat16."""
   keys = jax.random.split(jax.random.key(seed), 6)
   b, t, h = shape.b, shape.t, shape.h
   normal = lambda key, *dims: jax.random.normal(key, (b, t, h) + dims, jnp.float32)
   q, k = normal(keys[0], shape.k), normal(keys[1], shape.k)
   v, do = normal(keys[2], shape.v), normal(keys[5], shape.v)
-  g = jax.nn.log_sigmoid(normal(keys[3], shape.k)) / 8  # decays mostly in (0.9, 1)
+  gate_dims = () if OP == "gdn" else (shape.k,)
+  g = jax.nn.log_sigmoid(normal(keys[3], *gate_dims)) / 8  # decays mostly in (0.9, 1)
   beta = jax.nn.sigmoid(normal(keys[4]))
   bf16 = lambda x: x.astype(jnp.bfloat16)
   return jax.block_until_ready(dict(q=bf16(q), k=bf16(k), v=bf16(v), g=g, beta=bf16(beta),
@@ -76,12 +80,13 @@ def inputs(shape, seed=0):
 
 
 ENGINE = "xla"  # --engine
+OP = "kda"  # --op
 
 
 def jitted(x, backward, chunk_size=64, engine=None):
-  """(jitted cudnn_jax.kda on ``engine`` (default ENGINE), forward or gradients, its
-  arguments)."""
-  attn = lambda q, k, v, g, beta: cudnn_jax.kda(
+  """(jitted cudnn_jax.kda or gdn (OP) on ``engine`` (default ENGINE), forward or
+  gradients, its arguments)."""
+  attn = lambda q, k, v, g, beta: getattr(cudnn_jax, OP)(
       q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
       implementation=engine or ENGINE)[0]
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -92,7 +97,7 @@ def jitted(x, backward, chunk_size=64, engine=None):
 
 
 def ours(x, backward, engine):
-  """(ms, back-to-back ms, forward output or None) for cudnn_jax.kda on ``engine``."""
+  """(ms, back-to-back ms, forward output or None) for cudnn_jax.kda or gdn on ``engine``."""
   fn, args = jitted(x, backward, engine=engine)
   return (1e3 * time_calls(fn, args, CALLS, WARMUP),
           1e3 * time_back_to_back(fn, args, B2B_CALLS, WARMUP),
@@ -204,26 +209,31 @@ def print_scan(shape, variants=SCAN_VARIANTS):
 
 
 def load_fla():
-  """(torch, chunk_kda), or (None, reason) when either is missing or there is no CUDA."""
+  """(torch, FLA's chunk function for OP), or (None, reason) when either is missing or there
+  is no CUDA."""
   torch, why = load_torch()
   if torch is None:
     return None, why
   try:
-    from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    if OP == "gdn":
+      from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+    else:
+      from fla.ops.kda import chunk_kda as chunk
   except Exception as e:  # pylint: disable=broad-except
     return None, f"FLA not importable ({type(e).__name__}: {e})"
-  return torch, chunk_kda
+  return torch, chunk
 
 
-def fla(torch, chunk_kda, x, backward):
-  """(ms, forward output as NumPy) for FLA's chunk_kda on the same inputs."""
+def fla(torch, chunk, x, backward):
+  """(ms, forward output as NumPy) for FLA's chunk function on the same inputs."""
   t = {n: torch.from_numpy(np.array(a, np.float32)).cuda() for n, a in x.items()}
   for n in ("q", "k", "v", "beta", "do"):
     t[n] = t[n].to(torch.bfloat16)
   args = [t[n].requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
 
   def step():
-    o, _ = chunk_kda(*args, use_qk_l2norm_in_kernel=True)
+    o, _ = chunk(*args, use_qk_l2norm_in_kernel=True)
     if backward:
       torch.autograd.grad(o, args, t["do"])
     return o
@@ -298,11 +308,13 @@ def main():
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
                       help="comma-separated BxT pairs (H=16, K=V=128)")
+  parser.add_argument("--op", default="kda", choices=("kda", "gdn"),
+                      help="the op of the table (the other modes run kda)")
   args = parser.parse_args()
   engines = args.engine.split(",")
   if unknown := set(engines) - {"xla", "cute"}:
     parser.error(f"--engine: unknown {sorted(unknown)}")
-  global ENGINE  # pylint: disable=global-statement
+  global ENGINE, OP  # pylint: disable=global-statement
   ENGINE = engines[0]
   print(f"cudnn_jax engines: {', '.join(engines)}")
   if args.profile:
@@ -317,6 +329,8 @@ def main():
     for b, t in ((2, 256),) if args.quick else (pair.split("x") for pair in args.shapes.split(",")):
       print_scan(Shape(b=int(b), t=int(t), h=2 if args.quick else 16, k=128, v=128))
     return
+  OP = args.op
+  print(f"op: {OP}")
   if args.quick:
     shapes = [Shape(b=2, t=256, h=2, k=32, v=32)]
     anchor = (None, "--quick")
@@ -331,7 +345,7 @@ def main():
   start = time.perf_counter()
   rows = run(shapes, anchor, engines, (False,) if args.forward_only else (False, True))
   elapsed = time.perf_counter() - start
-  path = write_results(args.out, "kda_" + "_".join(engines), rows, quick=args.quick, seconds=elapsed,
+  path = write_results(args.out, OP + "_" + "_".join(engines), rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
                        engines=engines)
   print(f"{elapsed:.0f} s; wrote {path}")

@@ -1,4 +1,4 @@
-"""cudnn_jax.kda / cudnn_jax.gdn (the "xla" engine, and kda's "cute" engine) on the GPU at model-like sizes, against the
+"""cudnn_jax.kda / cudnn_jax.gdn (the "xla" and "cute" engines) on the GPU at model-like sizes, against the
 float64 token-by-token recurrence: long sequences, partial chunks, K = V = 128, bf16."""
 
 import dataclasses
@@ -31,12 +31,14 @@ CASES = [
                           initial_state=True, gate="softplus", dt_bias=True)),
     ("gdn_bf16", Config(op="gdn", b=2, t=900, h=2, hv=4, k=128, v=128, dtype="bfloat16",
                         l2norm=True, gate="softplus", dt_bias=True, initial_state=True)),
+    ("gdn_f32_varlen", Config(op="gdn", cu_seqlens=(0, 200, 200, 731), h=2, hv=4, k=64,
+                              v=128, gate="lower_bound", dt_bias=True, l2norm=True,
+                              beta_sigmoid=True, initial_state=True)),
 ]
 
 
-# kda's "cute" engine: the same cases (not GDN's scalar gate, which it does not serve).
-CASES += [(f"cute_{name}", dataclasses.replace(cfg, engine="cute"))
-          for name, cfg in list(CASES) if cfg.op == "kda"]
+# The "cute" engine: the same cases.
+CASES += [(f"cute_{name}", dataclasses.replace(cfg, engine="cute")) for name, cfg in list(CASES)]
 
 
 @pytest.mark.parametrize("cfg", [c for _, c in CASES], ids=[n for n, _ in CASES])
