@@ -33,11 +33,11 @@ NAMED=(); for t in ${NAMED_TESTS:-tests/gpu}; do NAMED+=("$TREE/$t"); done
 cd /tmp
 named_tests() {  # LOG_NAME TEST...
   local log=$1; shift
-  timeout "${NAMED_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
+  timeout "${NAMED_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider \
     -k "not random_sweep" "$@" > "$LOG/$log.log" 2>&1
   echo "named GPU tests ($log): $(tail -1 "$LOG/$log.log")"
 }
-if [ "${NAMED_TIMEOUT:-120}" != 0 ]; then
+if [ "${NAMED_TIMEOUT:-600}" != 0 ]; then
   if [ -n "${NAMED_PARALLEL:-}" ]; then  # one process per entry of NAMED_TESTS, at once
     export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / ${#NAMED[@]}, 3))")
     for i in "${!NAMED[@]}"; do named_tests "pytest_named_$i" "${NAMED[$i]}" & done
