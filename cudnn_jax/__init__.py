@@ -11,7 +11,9 @@ from cudnn_jax.gemm import gemm, grouped_gemm
 from cudnn_jax.kda import gdn, kda
 from cudnn_jax.moe import moe_mlp
 from cudnn_jax.sdpa import sdpa
+from cudnn_jax.sdpa_paged import sdpa_paged
+from cudnn_jax.sdpa_varlen import sdpa_varlen
 
 __all__ = ["UnsupportedError", "cache_info", "conv3d", "explain", "gdn", "gemm", "grouped_gemm",
-           "kda", "moe_mlp", "sdpa"]
+           "kda", "moe_mlp", "sdpa", "sdpa_paged", "sdpa_varlen"]
 __version__ = "0.1.0"

@@ -39,9 +39,11 @@ class _Op:
 _OPS: dict[str, _Op] = {}
 
 
-def register_op(op: str, prepare: Callable[..., Any]) -> None:
-  """Declares an op; ``prepare`` validates user arguments into a static call description."""
-  _OPS[op] = _Op(prepare, {})
+def register_op(op: str, prepare: Callable[..., Any], *, engines_of: str | None = None) -> None:
+  """Declares an op; ``prepare`` validates user arguments into a static call description.
+  With ``engines_of``, the op's calls are calls of that op (on rearranged arrays) and share
+  its engines, present and future."""
+  _OPS[op] = _Op(prepare, _OPS[engines_of].engines if engines_of else {})
 
 
 def register_engine(op: str, name: str, *, supports, run, opt_in=False) -> None:

@@ -75,7 +75,7 @@ def _window(local_window_size):
                for x in (left, right))
 
 
-def _prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, causal_alignment="top_left", logits_soft_cap=None,
              sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
@@ -214,7 +214,7 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
   raises ``cudnn_jax.UnsupportedError`` with the reason. ``cudnn_jax.explain("sdpa", ...)``
   tells which engine would run.
   """
-  call, inputs = _prepare(
+  call, inputs = prepare(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, causal_alignment=causal_alignment,
@@ -240,7 +240,7 @@ def _run_xla(call: SdpaCall, x: SdpaInputs):
       dropout_rng=x.dropout_rng)
 
 
-engines.register_op("sdpa", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_op("sdpa", lambda *a, **kw: prepare(*a, **kw)[0])
 engines.register_engine("sdpa", "xla", supports=lambda call: None, run=_run_xla)
 
 

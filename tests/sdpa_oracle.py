@@ -3,7 +3,8 @@
 ``oracle(...)`` takes ``sdpa``'s arguments and returns ``(out, lse)`` as float64 NumPy
 arrays. ``oracle_vjp(...)`` returns float64 gradients through a JAX port of the same math
 run with 64-bit types enabled. ``random_config`` / ``make_case`` build random calls shared
-by the CPU tests and the GPU sweep.
+by the CPU tests and the GPU sweep. ``varlen_case`` / ``varlen_oracle`` and ``paged_case``
+do the same for ``sdpa_varlen`` (sequence by sequence) and ``sdpa_paged``.
 """
 
 from __future__ import annotations
@@ -392,3 +393,76 @@ def keep_of(query, key, value, bias=None, mask=None, **kwargs):
   """The oracle's [B,N,T,S] keep mask and [B,1,T] valid-row mask (batched)."""
   p = _problem(query, key, value, bias, mask, **kwargs)
   return p.keep, p.q_valid
+
+
+# ---------------------------------------------------------------------------------------
+# Packed sequences (sdpa_varlen) and paged KV caches (sdpa_paged).
+
+
+def _f32_normal(rng, *shape):
+  return rng.standard_normal(shape).astype(np.float32)
+
+
+def varlen_case(rng, q_lens, kv_lens, *, n=4, k=2, h=16, hv=8, tail=3):
+  """Packed q [Tq,N,H], k [Tk,K,H], v [Tk,K,Hv] with ``tail`` rows past the last sequence,
+  and the cu_seqlens."""
+  cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+  q = _f32_normal(rng, cu_q[-1] + tail, n, h)
+  kk = _f32_normal(rng, cu_kv[-1] + tail, k, h)
+  v = _f32_normal(rng, cu_kv[-1] + tail, k, hv)
+  return q, kk, v, cu_q, cu_kv
+
+
+def varlen_oracle(q, k, v, cu_q, cu_kv, *, d_out=None, **kwargs):
+  """(out [Tq,N,Hv], lse [N,Tq]) in float64 sequence by sequence, or with ``d_out`` the
+  gradients of sum(out * d_out) for query, key and value (and sinks)."""
+  tq, n = q.shape[:2]
+  out = np.zeros((tq, n, v.shape[2]))
+  lse = np.full((n, tq), -np.inf)
+  grads = dict(query=np.zeros(q.shape), key=np.zeros(k.shape), value=np.zeros(v.shape))
+  if kwargs.get("sinks") is not None:
+    grads["sinks"] = np.zeros(np.shape(kwargs["sinks"]))
+  for i in range(len(cu_q) - 1):
+    qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_kv[i], cu_kv[i + 1])
+    if qs.stop == qs.start:
+      continue
+    qi, ki, vi, extra = q[qs][None], k[ks][None], v[ks][None], {}
+    if ks.stop == ks.start:  # no keys: one masked row stands in
+      ki, vi = np.zeros((1, 1) + k.shape[1:]), np.zeros((1, 1) + v.shape[1:])
+      extra["key_value_seq_lengths"] = np.zeros(1, np.int32)
+    if d_out is None:
+      o, l = oracle(qi, ki, vi, **kwargs, **extra)
+      out[qs], lse[:, qs] = o[0], l[0]
+      continue
+    g = oracle_vjp(qi, ki, vi, d_out=np.asarray(d_out)[qs][None], **kwargs, **extra)
+    grads["query"][qs] += g["query"][0]
+    if ks.stop > ks.start:
+      grads["key"][ks] += g["key"][0]
+      grads["value"][ks] += g["value"][0]
+    if "sinks" in g:
+      grads["sinks"] += g["sinks"]
+  return grads if d_out is not None else (out, lse)
+
+
+def paged_case(rng, kv_lens, *, t=1, n=4, k=2, h=16, hv=8, page=4, spare_pages=3):
+  """(query, key_cache, value_cache, page_table, kv_lens, contiguous keys, values): each
+  sequence's keys scattered over shuffled physical pages; unused rows are NaN and unused
+  table entries out of range, which the op must never let through."""
+  b = len(kv_lens)
+  max_pages = -(-max(kv_lens) // page) + 1
+  keys, values = _f32_normal(rng, b, max_pages * page, k, h), _f32_normal(rng, b, max_pages * page, k, hv)
+  pages = b * max_pages + spare_pages
+  order = rng.permutation(pages)
+  key_cache = np.full((pages, page, k, h), np.nan, np.float32)
+  value_cache = np.full((pages, page, k, hv), np.nan, np.float32)
+  table = np.full((b, max_pages), 10 ** 6, np.int32)
+  for i, length in enumerate(kv_lens):
+    for j in range(-(-length // page)):
+      phys = order[i * max_pages + j]
+      table[i, j] = phys
+      rows = slice(j * page, min((j + 1) * page, length))
+      key_cache[phys, : rows.stop - rows.start] = keys[i, rows]
+      value_cache[phys, : rows.stop - rows.start] = values[i, rows]
+  query = _f32_normal(rng, b, t, n, h)
+  return (query, key_cache, value_cache, table, np.asarray(kv_lens, np.int32), keys, values)

@@ -452,7 +452,7 @@ def test_cudnn_view_of_bottom_right_causal(t, s, lengths, view_t, skip, bottom_r
   args, kwargs = make_case(Config(b=2, t=t, s=s, n=2, k=2, is_causal=True, bias="11ts",
                                   causal_alignment="bottom_right", q_lengths=lengths,
                                   kv_lengths=lengths))
-  call = sdpa_module._prepare(*args, **kwargs)[0]  # pylint: disable=protected-access
+  call = sdpa_module.prepare(*args, **kwargs)[0]
   view, cut = sdpa_module._cudnn_view(call)  # pylint: disable=protected-access
   assert (view.t, cut, view.bottom_right) == (view_t, skip, bottom_right)
   assert view.bias_shape[2] == view_t
@@ -474,7 +474,7 @@ def test_cudnn_engine_python_side_matches_xla(monkeypatch, t, s):
     return jnp.sum(out.astype(jnp.float32) * w), (out, jnp.where(jnp.isneginf(lse), 0, lse))
 
   def via_cudnn_engine(q, k, v, bias):
-    call, inputs = sdpa_module._prepare(q, k, v, bias, **kwargs)  # pylint: disable=protected-access
+    call, inputs = sdpa_module.prepare(q, k, v, bias, **kwargs)
     return sdpa_module._run_cudnn(call, inputs)  # pylint: disable=protected-access
 
   xla = functools.partial(cudnn_jax.sdpa, implementation="xla", **kwargs)

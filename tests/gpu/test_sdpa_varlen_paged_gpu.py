@@ -1,0 +1,79 @@
+"""cudnn_jax.sdpa_varlen and cudnn_jax.sdpa_paged on the cudnn engine (bf16) against the
+float64 oracle and the xla engine; outputs poisoned (CUDNN_JAX_POISON_OUTPUTS, conftest)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_jax
+from sdpa_oracle import oracle, paged_case, varlen_case, varlen_oracle
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 2e-2  # ||a - b|| / ||b|| in bf16
+
+
+def rel_err(actual, expected):
+  a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  finite = np.isfinite(b)
+  assert np.array_equal(finite, np.isfinite(a)), "non-finite entries differ"
+  return float(np.linalg.norm(a[finite] - b[finite]) / max(np.linalg.norm(b[finite]), 1e-30))
+
+
+bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+Q_LENS, KV_LENS = [100, 0, 257, 64, 31], [130, 40, 257, 0, 300]
+
+
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True),
+                                    dict(is_causal=True, causal_alignment="bottom_right"),
+                                    dict(local_window_size=(64, 0))],
+                         ids=["causal", "bottom_right", "window"])
+def test_varlen_cudnn_matches_oracle_and_xla(kwargs):
+  rng = np.random.default_rng(0)
+  q, k, v, cu_q, cu_kv = varlen_case(rng, Q_LENS, KV_LENS, n=8, k=2, h=128, hv=128)
+  q, k, v = bf16(q), bf16(k), bf16(v)
+  d_out = bf16(rng.standard_normal((q.shape[0], 8, 128)))
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def run(q, k, v, implementation):
+    f = lambda q, k, v: cudnn_jax.sdpa_varlen(
+        q, k, v, cu_q, cu_kv, max_seqlen_q=max(Q_LENS), max_seqlen_kv=max(KV_LENS),
+        return_lse=True, implementation=implementation, **kwargs)
+    (out, lse), pull = jax.vjp(f, q, k, v)
+    return out, lse, pull((d_out, jnp.zeros_like(lse)))
+
+  assert "'cudnn' serves" in cudnn_jax.explain(
+      "sdpa_varlen", q, k, v, cu_q, cu_kv, max_seqlen_q=max(Q_LENS),
+      max_seqlen_kv=max(KV_LENS), **kwargs)
+  out, lse, grads = run(q, k, v, "cudnn")
+  ref_out, ref_lse, ref_grads = run(q, k, v, "xla")
+  want_out, want_lse = varlen_oracle(*(np.asarray(x, np.float32) for x in (q, k, v)),
+                                     cu_q, cu_kv, **kwargs)
+  assert rel_err(out, want_out) <= REL_TOL
+  assert rel_err(out, ref_out) <= REL_TOL
+  finite = np.isfinite(want_lse)
+  assert np.array_equal(finite, np.isfinite(np.asarray(lse)))
+  assert float(np.max(np.abs(np.asarray(lse)[finite] - want_lse[finite]))) <= 2e-2
+  for name, g, r in zip(("query", "key", "value"), grads, ref_grads):
+    assert rel_err(g, r) <= REL_TOL, name
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_paged_cudnn_matches_oracle(t):
+  query, kc, vc, table, lens, keys, values = paged_case(
+      np.random.default_rng(1), [700, 33, 1024, 250], t=t, n=16, k=4, h=128, hv=128,
+      page=64)
+  q_lens = np.array([t, max(t - 3, 1), t, 1], np.int32)
+  call = functools.partial(cudnn_jax.sdpa_paged, query_seq_lengths=q_lens)
+  args = (bf16(query), bf16(kc), bf16(vc), table, lens)
+  assert "'cudnn' serves" in cudnn_jax.explain("sdpa_paged", *args, query_seq_lengths=q_lens)
+  out = jax.jit(functools.partial(call, implementation="cudnn"))(*args)
+  ref = jax.jit(functools.partial(call, implementation="xla"))(*args)
+  want, _ = oracle(np.asarray(args[0], np.float32), np.asarray(bf16(keys), np.float32),
+                   np.asarray(bf16(values), np.float32), key_value_seq_lengths=lens,
+                   query_seq_lengths=q_lens, is_causal=True, causal_alignment="bottom_right")
+  assert rel_err(out, want) <= REL_TOL
+  assert rel_err(out, ref) <= REL_TOL

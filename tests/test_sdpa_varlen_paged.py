@@ -1,0 +1,167 @@
+"""cudnn_jax.sdpa_varlen (packed sequences) and cudnn_jax.sdpa_paged (paged KV cache) on the
+xla engine against the float64 oracle of sdpa, applied sequence by sequence."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_jax
+from sdpa_oracle import oracle, paged_case, varlen_case, varlen_oracle
+
+F32_TOL = 2e-5  # ||a - b|| / ||b||
+
+
+def rel_err(actual, expected):
+  a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  finite = np.isfinite(b)
+  assert np.array_equal(finite, np.isfinite(a)), "non-finite entries differ"
+  return float(np.linalg.norm(a[finite] - b[finite]) / max(np.linalg.norm(b[finite]), 1e-30))
+
+
+def normal(rng, *shape):
+  return rng.standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# sdpa_varlen
+
+
+VARLEN_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "causal_bottom_right": dict(is_causal=True, causal_alignment="bottom_right"),
+    "window": dict(local_window_size=(3, 1)),
+    "causal_window_softcap": dict(is_causal=True, local_window_size=(5, 0), logits_soft_cap=3.0),
+    "sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32), is_causal=True),
+}
+# Lengths: an empty sequence, a sequence with no keys, q and kv lengths that differ.
+Q_LENS, KV_LENS = [5, 0, 9, 4, 7], [7, 3, 9, 0, 12]
+
+
+@pytest.mark.parametrize("name", VARLEN_CASES)
+def test_varlen_matches_the_oracle_sequence_by_sequence(name):
+  kwargs = VARLEN_CASES[name]
+  q, k, v, cu_q, cu_kv = varlen_case(np.random.default_rng(0), Q_LENS, KV_LENS)
+  fn = jax.jit(functools.partial(cudnn_jax.sdpa_varlen, max_seqlen_q=max(Q_LENS),
+                                 max_seqlen_kv=max(KV_LENS), return_lse=True,
+                                 implementation="xla", **kwargs))
+  out, lse = fn(q, k, v, cu_q, cu_kv)
+  want_out, want_lse = varlen_oracle(q, k, v, cu_q, cu_kv, **kwargs)
+  assert out.shape == want_out.shape and lse.shape == want_lse.shape
+  assert rel_err(out, want_out) <= F32_TOL
+  assert rel_err(lse, want_lse) <= F32_TOL
+  assert np.all(np.asarray(out)[cu_q[-1]:] == 0)  # rows past the last sequence
+
+
+@pytest.mark.parametrize("name", ["causal_bottom_right", "sinks"])
+def test_varlen_gradients_match_the_oracle(name):
+  kwargs = VARLEN_CASES[name]
+  rng = np.random.default_rng(1)
+  q, k, v, cu_q, cu_kv = varlen_case(rng, Q_LENS, KV_LENS)
+  d_out = normal(rng, q.shape[0], q.shape[1], v.shape[2])
+  args = dict(query=q, key=k, value=v) | ({"sinks": kwargs["sinks"]} if "sinks" in kwargs else {})
+
+  def loss(a):
+    rest = {n: x for n, x in kwargs.items() if n != "sinks"}
+    out = cudnn_jax.sdpa_varlen(a["query"], a["key"], a["value"], cu_q, cu_kv,
+                                max_seqlen_q=max(Q_LENS), max_seqlen_kv=max(KV_LENS),
+                                sinks=a.get("sinks"), implementation="xla", **rest)
+    return jnp.sum(out * d_out)
+
+  grads = jax.jit(jax.grad(loss))(args)
+  want = varlen_oracle(q, k, v, cu_q, cu_kv, d_out=d_out, **kwargs)
+  for name_, g in grads.items():
+    assert rel_err(g, want[name_]) <= 1e-4, name_
+
+
+def test_varlen_rows_past_max_seqlen_and_bad_offsets_stay_in_bounds():
+  """A sequence longer than max_seqlen_q outputs 0 past the bound; offsets beyond the
+  arrays are clipped, never read out of bounds."""
+  q, k, v, cu_q, cu_kv = varlen_case(np.random.default_rng(2), [6, 4], [6, 4], tail=0)
+  out = cudnn_jax.sdpa_varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=4, max_seqlen_kv=6,
+                              implementation="xla")
+  want, _ = varlen_oracle(q, k, v, cu_q, cu_kv)
+  assert np.all(np.asarray(out)[4:6] == 0)
+  assert rel_err(np.asarray(out)[:4], want[:4]) <= F32_TOL
+  bad = np.array([0, 5, 1000], np.int32)  # past the end
+  out = cudnn_jax.sdpa_varlen(q, k, v, bad, bad, max_seqlen_q=8, max_seqlen_kv=8,
+                              implementation="xla")
+  assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_varlen_under_vmap_matches_a_loop():
+  rng = np.random.default_rng(3)
+  cases = [varlen_case(rng, [3, 5], [4, 2], tail=1) for _ in range(2)]
+  stacked = [np.stack(xs) for xs in zip(*cases)]
+  fn = functools.partial(cudnn_jax.sdpa_varlen, max_seqlen_q=5, max_seqlen_kv=4,
+                         is_causal=True, implementation="xla")
+  out = jax.jit(jax.vmap(fn))(*stacked)
+  for i, case in enumerate(cases):
+    np.testing.assert_allclose(out[i], fn(*case), rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_explain_and_bad_inputs():
+  q, k, v, cu_q, cu_kv = varlen_case(np.random.default_rng(4), [3, 5], [4, 2])
+  text = cudnn_jax.explain("sdpa_varlen", q, k, v, cu_q, cu_kv, max_seqlen_q=5,
+                           max_seqlen_kv=4)
+  assert "xla" in text and "cudnn" in text
+  call = functools.partial(cudnn_jax.sdpa_varlen, max_seqlen_q=5, max_seqlen_kv=4)
+  with pytest.raises(ValueError, match="query"):
+    call(q[None], k, v, cu_q, cu_kv)
+  with pytest.raises(TypeError, match="cu_seqlens_q"):
+    call(q, k, v, cu_q.astype(np.float32), cu_kv)
+  with pytest.raises(ValueError, match="cu_seqlens_kv"):
+    call(q, k, v, cu_q, cu_kv[:2])
+  with pytest.raises(ValueError, match="max_seqlen_kv"):
+    cudnn_jax.sdpa_varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=5, max_seqlen_kv=0)
+  with pytest.raises(TypeError, match="max_seqlen_q"):
+    cudnn_jax.sdpa_varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=5.0, max_seqlen_kv=4)
+  with pytest.raises(ValueError, match="value"):
+    call(q, k, v[:-1], cu_q, cu_kv)
+
+
+# ---------------------------------------------------------------------------------------
+# sdpa_paged
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(local_window_size=(6, 0)),
+    dict(logits_soft_cap=2.0, sinks=np.array([0.1, -0.5, 1.0, 0.0], np.float32)),
+], ids=["decode", "window", "softcap_sinks"])
+def test_paged_decode_matches_the_oracle(kwargs):
+  query, kc, vc, table, lens, keys, values = paged_case(np.random.default_rng(5), [9, 1, 16, 5])
+  out, lse = jax.jit(functools.partial(cudnn_jax.sdpa_paged, return_lse=True,
+                                       implementation="xla", **kwargs))(query, kc, vc, table, lens)
+  want_out, want_lse = oracle(query, keys, values, key_value_seq_lengths=lens, is_causal=True,
+                              causal_alignment="bottom_right", **kwargs)
+  assert rel_err(out, want_out) <= F32_TOL
+  assert rel_err(lse, want_lse) <= F32_TOL
+
+
+def test_paged_chunked_prefill_with_query_lengths():
+  query, kc, vc, table, lens, keys, values = paged_case(np.random.default_rng(6), [12, 7, 3],
+                                                        t=5)
+  q_lens = np.array([5, 2, 3], np.int32)
+  out = cudnn_jax.sdpa_paged(query, kc, vc, table, lens, query_seq_lengths=q_lens,
+                             implementation="xla")
+  want, _ = oracle(query, keys, values, key_value_seq_lengths=lens, query_seq_lengths=q_lens,
+                   is_causal=True, causal_alignment="bottom_right")
+  assert rel_err(out, want) <= F32_TOL
+  assert np.all(np.asarray(out)[1, 2:] == 0)  # rows past the query length
+
+
+def test_paged_explain_and_bad_inputs():
+  query, kc, vc, table, lens, _, _ = paged_case(np.random.default_rng(7), [4, 6])
+  assert "xla" in cudnn_jax.explain("sdpa_paged", query, kc, vc, table, lens)
+  with pytest.raises(ValueError, match="page_table"):
+    cudnn_jax.sdpa_paged(query, kc, vc, table[:1], lens)
+  with pytest.raises(TypeError, match="page_table"):
+    cudnn_jax.sdpa_paged(query, kc, vc, table.astype(np.float32), lens)
+  with pytest.raises(ValueError, match="value_cache"):
+    cudnn_jax.sdpa_paged(query, kc, vc[:, :2], table, lens)
+  with pytest.raises(ValueError, match="key_value_seq_lengths"):
+    cudnn_jax.sdpa_paged(query, kc, vc, table, lens[:1])
