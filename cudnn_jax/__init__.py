@@ -5,6 +5,7 @@ the fastest engine that serves the call and falls back to "xla".
 """
 
 from cudnn_jax._extension import cache_info
+from cudnn_jax.bsa import bsa, bsa_from_mask
 from cudnn_jax.conv import conv3d
 from cudnn_jax.engines import UnsupportedError, explain
 from cudnn_jax.gemm import gemm, grouped_gemm
@@ -14,6 +15,6 @@ from cudnn_jax.sdpa import sdpa
 from cudnn_jax.sdpa_paged import sdpa_paged
 from cudnn_jax.sdpa_varlen import sdpa_varlen
 
-__all__ = ["UnsupportedError", "cache_info", "conv3d", "explain", "gdn", "gemm", "grouped_gemm",
-           "kda", "moe_mlp", "sdpa", "sdpa_paged", "sdpa_varlen"]
+__all__ = ["UnsupportedError", "bsa", "bsa_from_mask", "cache_info", "conv3d", "explain", "gdn",
+           "gemm", "grouped_gemm", "kda", "moe_mlp", "sdpa", "sdpa_paged", "sdpa_varlen"]
 __version__ = "0.1.0"

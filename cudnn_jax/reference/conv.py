@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax.reference.gemm import precision
+from cudnn_jax.reference import matmul_precision
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda y: jax.nn.gelu(y, approximate=False),
                "relu": jax.nn.relu}
@@ -31,7 +31,7 @@ def conv3d(x, w, bias=None, residual=None, norm_scale=None, norm_bias=None, *, p
   """Validated inputs, explicit ``padding``; returns float32 ``[N, T', H', W', Cout]``."""
   y = jax.lax.conv_general_dilated(
       x, w, window_strides=strides, padding=padding, rhs_dilation=dilation,
-      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=precision(x.dtype),
+      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=matmul_precision(x.dtype),
       preferred_element_type=jnp.float32)
   f32 = lambda a: a.astype(jnp.float32)
   if bias is not None:

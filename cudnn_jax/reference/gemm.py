@@ -11,16 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_jax import epilogue
-
-
-def precision(dtype):
-  """HIGHEST for float32 (true float32 products); narrower inputs are exact in float32."""
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+from cudnn_jax.reference import matmul_precision
 
 
 def gemm(a, b, bias=None, *, activation=None, glu=None):
   """``epilogue(a @ b + bias)`` in float32: ``a [..., M, K]``, ``b [K, C]`` -> ``[..., M, N]``."""
-  h = jnp.matmul(a, b, precision=precision(a.dtype), preferred_element_type=jnp.float32)
+  h = jnp.matmul(a, b, precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
   return epilogue.apply(h, bias, activation=activation, glu=glu)
 
 
@@ -44,7 +40,7 @@ def inverse_permutation(order):
 
 def _ragged_dot(lhs, rhs, group_sizes):
   """``out[i] = lhs[i] @ rhs[g(i)]``, float32 ``[M, N]``; 0 past the last group."""
-  return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision(lhs.dtype),
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=matmul_precision(lhs.dtype),
                             preferred_element_type=jnp.float32)
 
 
@@ -56,7 +52,7 @@ _OUTER_DIMS = jax.lax.RaggedDotDimensionNumbers(
 def _ragged_outer(lhs, ct, group_sizes):
   """``out[g] = lhs[rows of g].T @ ct[rows of g]``, float32 ``[G, K, N]``."""
   return jax.lax.ragged_dot_general(lhs, ct, group_sizes, _OUTER_DIMS,
-                                    precision=precision(lhs.dtype),
+                                    precision=matmul_precision(lhs.dtype),
                                     preferred_element_type=jnp.float32)
 
 

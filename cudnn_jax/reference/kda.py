@@ -44,10 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-
-def matmul_precision(dtype):
-  # float32 inputs get true float32 products (no TF32); narrower inputs are exact in f32.
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+from cudnn_jax.reference import matmul_precision
 
 
 # ---------------------------------------------------------------------------------------

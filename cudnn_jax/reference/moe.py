@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from cudnn_jax.reference import gemm as ref_gemm
+from cudnn_jax.reference import matmul_precision
 
 
 def route(expert_indices, num_experts):
@@ -47,5 +48,5 @@ def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu, activation,
   # Masking the weights (not only the rows) keeps a non-finite weight of a dropped pair
   # out of the sum.
   weights = jnp.where(valid, expert_weights.astype(jnp.float32), 0.0)
-  y = jnp.einsum("tkd,tk->td", per_choice, weights, precision=ref_gemm.precision(jnp.float32))
+  y = jnp.einsum("tkd,tk->td", per_choice, weights, precision=matmul_precision(jnp.float32))
   return y.astype(x.dtype)

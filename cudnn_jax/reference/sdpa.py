@@ -10,12 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cudnn_jax.reference import matmul_precision
+
 _NEG_INF = -jnp.inf
-
-
-def _matmul_precision(dtype):
-  # float32 inputs get true float32 products (no TF32); narrower inputs are exact in f32.
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def band_keep(t_idx, u_idx, q_len, kv_len, *, is_causal, bottom_right, window):
@@ -49,7 +46,7 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
   g = n // k
-  prec = _matmul_precision(query.dtype)
+  prec = matmul_precision(query.dtype)
 
   q = query.reshape(b, t, k, g, h)
   logits = jnp.einsum("btkgh,bskh->bkgts", q, key, precision=prec,

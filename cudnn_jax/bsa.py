@@ -1,0 +1,150 @@
+"""Block-sparse attention: ``cudnn_jax.bsa`` and ``cudnn_jax.bsa_from_mask``.
+
+Query block m (rows ``m*block_size ...``) of head n attends to the key/value blocks listed
+in ``block_index[b, n, m]``; the xla engine gathers those blocks, so its work and memory
+follow the selected blocks rather than the full ``Sq x Skv`` square.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cudnn_jax import _checks, engines
+
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+class BsaInputs(NamedTuple):
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  block_index: jax.Array  # [B,N,Nq,Kmax] int32
+  block_counts: jax.Array  # [B,N,Nq] int32
+  kv_block_sizes: jax.Array  # [B,K,Nkv] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class BsaCall:
+  b: int
+  sq: int
+  skv: int
+  n: int
+  k: int
+  h: int
+  hv: int
+  kmax: int
+  dtype: str
+  block_size: int
+  scale: float
+  is_causal: bool
+  return_lse: bool
+
+
+def _prepare(query, key, value, block_index, block_counts=None, *, block_size=128,
+             kv_block_sizes=None, scale=None, is_causal=False, return_lse=False,
+             implementation=None):
+  """Validates the user's arguments into (BsaCall, BsaInputs)."""
+  del implementation
+  _checks.shape_of("query", query, 4)
+  ks = _checks.shape_of("key", key, 4)
+  vs = _checks.shape_of("value", value, 4)
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _checks.float_dtype(name, x)
+  _checks.same_dtype("query, key, value", query, key, value)
+  b, sq, n, h = query.shape
+  skv, k, hv = key.shape[1], key.shape[2], value.shape[3]
+  if ks != (b, skv, k, h):
+    raise ValueError(f"key: expected [B,Skv,K,H] with B={b}, H={h}, got {ks}")
+  if vs[:3] != (b, skv, k):
+    raise ValueError(f"value: expected [B,Skv,K,Hv] with key's B, Skv, K {(b, skv, k)}, "
+                     f"got {vs}")
+  if n % k:
+    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k}")
+  bs = _checks.one_of("block_size", block_size, BLOCK_SIZES)
+  nq, nkv = -(-sq // bs), -(-skv // bs)
+
+  _checks.shape_of("block_index", block_index, 4)
+  _checks.int_dtype("block_index", block_index)
+  if block_index.shape[:3] != (b, n, nq):
+    raise ValueError(f"block_index: expected [B,N,Nq,Kmax] with B={b}, N={n}, Nq={nq}, got "
+                     f"{tuple(block_index.shape)}")
+  kmax = block_index.shape[3]
+  if block_counts is None:
+    block_counts = jnp.full((b, n, nq), kmax, jnp.int32)
+  else:
+    _checks.int_dtype("block_counts", block_counts)
+    _checks.expect_shape("block_counts", block_counts, (b, n, nq))
+  full = jnp.minimum(bs, skv - bs * jnp.arange(nkv, dtype=jnp.int32))  # the last block is cut
+  if kv_block_sizes is None:
+    kv_block_sizes = full
+  else:
+    _checks.int_dtype("kv_block_sizes", kv_block_sizes)
+    if kv_block_sizes.shape not in ((nkv,), (b, nkv), (b, k, nkv)):
+      raise ValueError(f"kv_block_sizes: expected [Nkv], [B,Nkv] or [B,K,Nkv] with Nkv={nkv}, "
+                       f"got {tuple(kv_block_sizes.shape)}")
+    kv_block_sizes = jnp.clip(kv_block_sizes.astype(jnp.int32), 0, full)
+  as_bkn = {1: lambda s: s[None, None], 2: lambda s: s[:, None], 3: lambda s: s}
+  sizes = jnp.broadcast_to(as_bkn[kv_block_sizes.ndim](kv_block_sizes), (b, k, nkv))
+
+  if scale is None:
+    scale = 1.0 / math.sqrt(h)
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+  call = BsaCall(b=b, sq=sq, skv=skv, n=n, k=k, h=h, hv=hv, kmax=kmax,
+                 dtype=jnp.dtype(query.dtype).name, block_size=bs, scale=float(scale),
+                 is_causal=bool(is_causal), return_lse=bool(return_lse))
+  inputs = BsaInputs(query, key, value, block_index.astype(jnp.int32),
+                     block_counts.astype(jnp.int32), sizes)
+  return call, inputs
+
+
+def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
+        kv_block_sizes=None, scale=None, is_causal=False, return_lse=False,
+        implementation=None):
+  """Block-sparse attention.
+
+  ``query [B,Sq,N,H]``, ``key [B,Skv,K,H]``, ``value [B,Skv,K,Hv]``, ``N % K == 0``. Query
+  block m holds rows ``m*block_size ...`` (``Nq = ceil(Sq/block_size)``, likewise ``Nkv``
+  for keys); it attends to the kv blocks ``block_index[b, n, m, :block_counts[b, n, m]]``
+  (``block_index [B,N,Nq,Kmax]`` int32; ``block_counts [B,N,Nq]`` int32, None = all Kmax;
+  entries < 0 or >= Nkv are skipped; indices are assumed unique). ``kv_block_sizes``
+  (``[Nkv]``, ``[B,Nkv]`` or ``[B,K,Nkv]`` int32) counts the valid tokens of each kv block
+  (None = full blocks, the last cut at Skv). ``is_causal`` also keeps only ``u <= t``.
+  Logits ``scale * q.k`` (scale defaults to ``1/sqrt(H)``), softmax over the kept keys; a
+  row with none outputs 0 (lse -inf).
+
+  Returns ``out [B,Sq,N,Hv]`` in the input dtype and, with ``return_lse=True``, also
+  ``lse [B,N,Sq]`` float32. Differentiable in query, key and value.
+  """
+  call, inputs = _prepare(query, key, value, block_index, block_counts, block_size=block_size,
+                          kv_block_sizes=kv_block_sizes, scale=scale, is_causal=is_causal,
+                          return_lse=return_lse)
+  out, lse = engines.dispatch("bsa", implementation, call, inputs)
+  return (out, lse) if call.return_lse else out
+
+
+def bsa_from_mask(block_mask):
+  """``block_mask [B,N,Nq,Nkv]`` bool -> ``(block_index [B,N,Nq,Nkv], block_counts
+  [B,N,Nq])`` int32: the selected kv blocks of each query block in ascending order, the
+  unused tail of each row -1."""
+  _checks.shape_of("block_mask", block_mask, 4)
+  _checks.bool_dtype("block_mask", block_mask)
+  counts = jnp.sum(block_mask, axis=-1, dtype=jnp.int32)
+  order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)
+  slot = jnp.arange(block_mask.shape[-1], dtype=jnp.int32)
+  return jnp.where(slot < counts[..., None], order, -1), counts
+
+
+def _run_xla(call: BsaCall, x: BsaInputs):
+  from cudnn_jax.reference import bsa as ref  # pylint: disable=g-import-not-at-top
+  return ref.bsa(x.query, x.key, x.value, x.block_index, x.block_counts, x.kv_block_sizes,
+                 block_size=call.block_size, scale=call.scale, is_causal=call.is_causal)
+
+
+engines.register_op("bsa", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("bsa", "xla", supports=lambda call: None, run=_run_xla)
