@@ -141,9 +141,12 @@ def bsa_from_mask(block_mask):
 
 
 def _run_xla(call: BsaCall, x: BsaInputs):
-  from cudnn_jax.reference import bsa as ref  # pylint: disable=g-import-not-at-top
-  return ref.bsa(x.query, x.key, x.value, x.block_index, x.block_counts, x.kv_block_sizes,
-                 block_size=call.block_size, scale=call.scale, is_causal=call.is_causal)
+  # The reference as primitives: vmap folds into the batch, and batch- or head-sharded
+  # inputs compute locally.
+  from cudnn_jax.primitives import bsa as prim  # pylint: disable=g-import-not-at-top
+  config = prim.BsaConfig(block_size=call.block_size, scale=call.scale,
+                          is_causal=call.is_causal)
+  return prim.bsa(config, *x)
 
 
 engines.register_op("bsa", lambda *a, **kw: _prepare(*a, **kw)[0])

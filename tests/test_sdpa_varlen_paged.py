@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
 from sdpa_oracle import oracle, paged_case, varlen_case, varlen_oracle
@@ -165,3 +166,28 @@ def test_paged_explain_and_bad_inputs():
     cudnn_jax.sdpa_paged(query, kc, vc[:, :2], table, lens)
   with pytest.raises(ValueError, match="key_value_seq_lengths"):
     cudnn_jax.sdpa_paged(query, kc, vc, table, lens[:1])
+
+
+def test_head_and_batch_sharded_stay_local():
+  """Head-sharded packed sequences, and batch- and head-sharded paged decode (the cache
+  sharded by kv head): no data movement between devices."""
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.skip("needs the 8-device CPU mesh of conftest.py")
+  mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("b", "h"))
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  q, k, v, cu_q, cu_kv = varlen_case(np.random.default_rng(8), Q_LENS, KV_LENS)
+  varlen = jax.jit(functools.partial(cudnn_jax.sdpa_varlen, max_seqlen_q=max(Q_LENS),
+                                     max_seqlen_kv=max(KV_LENS), is_causal=True))
+  heads = P(None, "h")
+  varlen_args = (put(q, heads), put(k, heads), put(v, heads), cu_q, cu_kv)
+  query, kc, vc, table, lens, _, _ = paged_case(np.random.default_rng(9), [9, 1, 16, 5])
+  paged = jax.jit(cudnn_jax.sdpa_paged)
+  paged_args = (put(query, P("b", None, "h")), put(kc, P(None, None, "h")),
+                put(vc, P(None, None, "h")), put(table, P("b")), put(lens, P("b")))
+  for fn, args, local in ((varlen, varlen_args, (q, k, v, cu_q, cu_kv)),
+                          (paged, paged_args, (query, kc, vc, table, lens))):
+    np.testing.assert_allclose(fn(*args), fn(*local), rtol=1e-6, atol=1e-6)
+    hlo = fn.lower(*args).compile().as_text()
+    for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+      assert collective not in hlo, collective

@@ -55,3 +55,14 @@ def named(mesh, *entries):
 
 def with_shape(x, dtype=None):
   return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+
+
+def sharding_rule(rule, replicated):
+  """A Shardy rule for custom_partitioning: the einsum-like ``rule`` and the factors that
+  need replication, listed in the order they first appear in it (Shardy wants them sorted
+  that way)."""
+  order = []
+  for factor in rule.replace(",", " ").replace("->", " ").split():
+    if factor not in order:
+      order.append(factor)
+  return rule, dict(need_replication_factors=tuple(f for f in order if f in replicated))

@@ -157,7 +157,7 @@ def _sharding_rule(backward, config, mesh, arg_types, result_types):
   else:
     operands, results = qkv + extras, ["b t n d", "b n t"][:1 + config.with_lse]
   rule = ", ".join(operands) + " -> " + ", ".join(results)
-  return rule, dict(need_replication_factors=("t", "s", "h", "d"))
+  return _common.sharding_rule(rule, ("t", "s", "h", "d"))
 
 
 def _partitioned(impl, partition, backward):
@@ -212,6 +212,9 @@ sdpa_bwd_p = jex_core.Primitive("cudnn_jax_sdpa_bwd")
 sdpa_bwd_p.multiple_results = True
 for _p in (sdpa_fwd_p, sdpa_bwd_p):  # eager calls compile the primitive alone
   _p.def_impl(functools.partial(jax_dispatch.apply_primitive, _p))
+  # Their lowering may be custom_partitioning's, which needs the devices: without this,
+  # jit lowers them with no device assignment and they run unpartitioned (replicated).
+  jax_dispatch.prim_requires_devices_during_lowering.add(_p)
 
 
 @sdpa_fwd_p.def_abstract_eval
