@@ -466,3 +466,12 @@ def paged_case(rng, kv_lens, *, t=1, n=4, k=2, h=16, hv=8, page=4, spare_pages=3
       value_cache[phys, : rows.stop - rows.start] = values[i, rows]
   query = _f32_normal(rng, b, t, n, h)
   return (query, key_cache, value_cache, table, np.asarray(kv_lens, np.int32), keys, values)
+
+
+def rel_err_finite(actual, expected):
+  """||a - b|| / ||b|| over the finite entries of ``expected``, which must be finite exactly
+  where ``actual`` is (lse is -inf on rows with no kept key)."""
+  a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  finite = np.isfinite(b)
+  assert np.array_equal(finite, np.isfinite(a)), "non-finite entries differ"
+  return float(np.linalg.norm(a[finite] - b[finite]) / max(np.linalg.norm(b[finite]), 1e-30))

@@ -66,3 +66,15 @@ def sharding_rule(rule, replicated):
     if factor not in order:
       order.append(factor)
   return rule, dict(need_replication_factors=tuple(f for f in order if f in replicated))
+
+
+def batch_and_head_axes(mesh, q_sharding, q_shape, k_shape):
+  """The mesh axes that shard the query's batch (dim 0) and heads (dim 2), each kept only
+  where it divides the sizes evenly (the heads: both the query's and the kv heads, dim 2
+  of ``k_shape``); ``()`` where the dimension stays whole."""
+  batch, heads = spec_axes(q_sharding, 0), spec_axes(q_sharding, 2)
+  if batch and q_shape[0] % axes_size(mesh, batch):
+    batch = ()
+  if heads and (q_shape[2] % axes_size(mesh, heads) or k_shape[2] % axes_size(mesh, heads)):
+    heads = ()
+  return batch, heads

@@ -51,14 +51,8 @@ def _bwd_impl(config, q, k, v, index, counts, sizes, d_out, d_lse):
 
 def _local_shardings(mesh, arg_shapes):
   """(token-major sharding, per-row sharding, the six operands' shardings)."""
-  q_shape, k_shape = arg_shapes[0].shape, arg_shapes[1].shape
-  sharding = arg_shapes[0].sharding
-  batch, heads = _common.spec_axes(sharding, 0), _common.spec_axes(sharding, 2)
-  if batch and q_shape[0] % _common.axes_size(mesh, batch):
-    batch = ()
-  if heads and (q_shape[2] % _common.axes_size(mesh, heads)
-                or k_shape[2] % _common.axes_size(mesh, heads)):
-    heads = ()
+  batch, heads = _common.batch_and_head_axes(mesh, arg_shapes[0].sharding,
+                                             arg_shapes[0].shape, arg_shapes[1].shape)
   tokens = _common.named(mesh, batch, (), heads, ())
   rows = _common.named(mesh, batch, heads, ())
   per_block = _common.named(mesh, batch, heads, (), ())

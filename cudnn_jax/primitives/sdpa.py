@@ -100,14 +100,7 @@ def _operand_specs(config, mesh, q_sharding, shapes):
 
   ``shapes`` lists the operand shapes in the primitive's order (q, k, v first).
   """
-  q_shape, k_shape = shapes[0], shapes[1]
-  batch = _common.spec_axes(q_sharding, 0)
-  heads = _common.spec_axes(q_sharding, 2)
-  if batch and q_shape[0] % _common.axes_size(mesh, batch):
-    batch = ()
-  if heads and (q_shape[2] % _common.axes_size(mesh, heads)
-                or k_shape[2] % _common.axes_size(mesh, heads)):
-    heads = ()
+  batch, heads = _common.batch_and_head_axes(mesh, q_sharding, shapes[0], shapes[1])
   bshd = _common.named(mesh, batch, (), heads, ())
   return batch, heads, bshd
 
