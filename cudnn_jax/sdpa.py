@@ -76,11 +76,11 @@ def _window(local_window_size):
 
 
 def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-             implementation=None, causal_alignment="top_left", logits_soft_cap=None,
-             sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
-             dropout_rng=None, return_lse=False, context_parallel_axis=None,
-             context_parallel_strategy="all_gather"):
+            query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+            implementation=None, causal_alignment="top_left", logits_soft_cap=None,
+            sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
+            dropout_rng=None, return_lse=False, context_parallel_axis=None,
+            context_parallel_strategy="all_gather"):
   """Validates the user's arguments into (SdpaCall, SdpaInputs)."""
   del implementation
   qs = _checks.shape_of("query", query, (3, 4))
