@@ -53,8 +53,30 @@ def test_multi_head_attention_matches_its_definition(with_segments):
   o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
   want = jnp.einsum("btnh,nhd->btd", o, p["out"]["kernel"]) + p["out"]["bias"]
   np.testing.assert_allclose(got, want, **TOL)
-  with pytest.raises(NotImplementedError, match="decode"):
-    layer.apply(params, x, decode=True)
+
+
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_multi_head_attention_decodes_from_a_paged_cache(window):
+  """A chunk of the prompt, then one token at a time through the paged KV cache, equals
+  attention over the whole sequence."""
+  x = normal(7, (2, 20, 16))
+  layer = fm.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, is_causal=True,
+                                local_window_size=window, page_size=4)
+  params = layer.init(jax.random.key(0), x)["params"]
+  full = layer.apply({"params": params}, x)
+  cache = layer.init(jax.random.key(0), x, decode=True)["cache"]  # room for 20 tokens
+  assert cache["key_pages"].shape == (2 * 5, 4, 2, 8)
+  step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
+                                              decode=True, mutable=["cache"]))
+  outs = []
+  for lo, hi in [(0, 7)] + [(t, t + 1) for t in range(7, 20)]:
+    y, variables = step(cache, x[:, lo:hi])
+    outs.append(y)
+    cache = variables["cache"]
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+  np.testing.assert_array_equal(cache["lengths"], [20, 20])
+  with pytest.raises(ValueError, match="decode"):
+    step(cache, x[:, :2, None])
 
 
 def test_kimi_delta_attention_state_continues_a_sequence():
@@ -136,6 +158,20 @@ def test_nnx_layers_equal_linen_layers(name):
   _load(nnx_layer, params["params"])
   for got, want in zip(jax.tree.leaves(nnx_layer(x)), jax.tree.leaves(linen.apply(params, x))):
     np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_nnx_multi_head_attention_decodes_from_a_paged_cache():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.flax_modules import nnx as fnnx  # pylint: disable=g-import-not-at-top
+  x = normal(8, (2, 11, 16))
+  layer = fnnx.MultiHeadAttention(16, 4, 8, num_kv_heads=2, is_causal=True, rngs=nnx.Rngs(0))
+  full = layer(x)
+  with pytest.raises(ValueError, match="init_cache"):
+    layer(x[:, :1], decode=True)
+  layer.init_cache(2, 11, page_size=4)
+  outs = [layer(x[:, :4], decode=True)] + [layer(x[:, t:t + 1], decode=True)
+                                           for t in range(4, 11)]
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
 
 
 @pytest.mark.parametrize("features,norm", [(8, "rms"), (12, "group")])

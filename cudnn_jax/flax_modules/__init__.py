@@ -65,6 +65,42 @@ def self_attention(q, k, v, *, segment_ids, is_causal, local_window_size, implem
   return out.reshape(batch + out.shape[1:])
 
 
+def paged_cache(batch, max_length, kv_heads, head_dim, dtype, page_size):
+  """An empty paged KV cache for ``batch`` sequences of up to ``max_length`` tokens:
+  ``key_pages``/``value_pages [P, page_size, kv_heads, head_dim]``, ``page_table [batch,
+  pages per sequence]`` (sequence b owns pages ``b*pages ... (b+1)*pages - 1`` to start
+  with; any table over the same pages works) and ``lengths [batch]`` (tokens cached)."""
+  pages = -(-max_length // page_size)
+  shape = (batch * pages, page_size, kv_heads, head_dim)
+  return dict(key_pages=jnp.zeros(shape, dtype), value_pages=jnp.zeros(shape, dtype),
+              page_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
+              lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def cached_attention(cache, q, k, v, *, is_causal, local_window_size, implementation):
+  """Appends ``k``/``v [B, T, K, H]`` to each sequence of ``cache`` (at its length) and
+  attends ``q [B, T, N, H]`` over everything cached, with ``cudnn_jax.sdpa_paged`` (causal
+  bottom-right aligned). Returns ``(out [B, T, N, H], updated cache)``; tokens past the
+  cache's capacity are not stored."""
+  table, lengths = cache["page_table"], cache["lengths"]
+  pages, page = cache["key_pages"].shape[:2]
+  capacity = table.shape[1] * page
+  position = lengths[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)  # [B, T]
+  physical = jnp.take_along_axis(table, jnp.minimum(position // page, table.shape[1] - 1),
+                                 axis=1)
+  physical = jnp.where(position < capacity, physical, pages)  # past the end: dropped
+  store = lambda pages_, x: pages_.at[physical, position % page].set(
+      x.astype(pages_.dtype), mode="drop")
+  cache = dict(cache, key_pages=store(cache["key_pages"], k),
+               value_pages=store(cache["value_pages"], v),
+               lengths=jnp.minimum(lengths + k.shape[1], capacity))
+  out = cudnn_jax.sdpa_paged(q, cache["key_pages"], cache["value_pages"], table,
+                             cache["lengths"], is_causal=is_causal,
+                             local_window_size=local_window_size,
+                             implementation=implementation)
+  return out, cache
+
+
 def kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, implementation):
   """The KDA layer's recurrence: gate in the kernel, beta sigmoid, q/k l2-normalized."""
   return cudnn_jax.kda(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
@@ -109,7 +145,14 @@ class MultiHeadAttention(nn.Module):
 
   Query heads ``num_heads``, key/value heads ``num_kv_heads`` (default: num_heads; fewer
   is GQA/MQA), each ``head_dim`` wide; ``segment_ids [..., T]`` keeps attention inside
-  packed sequences. The decode-time paged KV cache is not available yet.
+  packed sequences.
+
+  Decoding: ``decode=True`` keeps a paged KV cache (``paged_cache``, pages of
+  ``page_size`` tokens) in the "cache" collection. The first such call, made when
+  initializing the collection with ``x [B, max_length, features]``, sizes the cache and
+  attends within x; each later call appends its ``x [B, T, features]`` tokens (one for
+  decoding, more for a chunk of a prompt) and attends over everything cached
+  (``cudnn_jax.sdpa_paged``; causal, when the layer is, aligned to the newest token).
   """
   num_heads: int
   head_dim: int
@@ -118,18 +161,34 @@ class MultiHeadAttention(nn.Module):
   local_window_size: Any = None
   dtype: Any = None
   implementation: Any = None
+  page_size: int = 64
 
   @nn.compact
   def __call__(self, x, *, segment_ids=None, decode=False):
-    if decode:
-      raise NotImplementedError("decode: the paged KV cache (sdpa_paged) is not available yet")
     kv_heads = self.num_kv_heads or self.num_heads
     dense = lambda heads, name: nn.DenseGeneral((heads, self.head_dim), dtype=self.dtype,
                                                 name=name)
-    out = self_attention(
-        dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x),
-        dense(kv_heads, "value")(x), segment_ids=segment_ids, is_causal=self.is_causal,
-        local_window_size=self.local_window_size, implementation=self.implementation)
+    q, k, v = dense(self.num_heads, "query")(x), dense(kv_heads, "key")(x), dense(
+        kv_heads, "value")(x)
+    options = dict(is_causal=self.is_causal, local_window_size=self.local_window_size,
+                   implementation=self.implementation)
+    if decode and self.has_variable("cache", "lengths"):
+      if segment_ids is not None or x.ndim != 3:
+        raise ValueError("decode: expected x [B, T, features] and no segment_ids, got x "
+                         f"{tuple(x.shape)}")
+      names = ("key_pages", "value_pages", "page_table", "lengths")
+      cache = {n: self.variable("cache", n) for n in names}
+      out, updated = cached_attention({n: c.value for n, c in cache.items()}, q, k, v,
+                                      **options)
+      for n, c in cache.items():
+        c.value = updated[n]
+    else:
+      if decode:  # first call: size the cache by x
+        empty = paged_cache(x.shape[0], x.shape[1], kv_heads, self.head_dim, k.dtype,
+                            self.page_size)
+        for n, value in empty.items():
+          self.variable("cache", n, lambda value=value: value)
+      out = self_attention(q, k, v, segment_ids=segment_ids, **options)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 

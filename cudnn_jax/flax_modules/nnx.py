@@ -8,8 +8,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, causal_block,
-                                    dot_product_attention, kimi_delta, mixture, self_attention)
+from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, cached_attention,
+                                    causal_block, dot_product_attention, kimi_delta, mixture,
+                                    paged_cache, self_attention)
 
 __all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP",
            "CausalConv3dBlock"]
@@ -17,7 +18,8 @@ __all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", 
 
 class MultiHeadAttention(nnx.Module):
   """Self-attention ``x [..., T, in_features] -> [..., T, in_features]`` (see the linen
-  ``MultiHeadAttention``)."""
+  ``MultiHeadAttention``). For decoding, ``init_cache`` creates the paged KV cache that
+  ``decode=True`` calls append to."""
 
   def __init__(self, in_features: int, num_heads: int, head_dim: int,
                num_kv_heads: int | None = None, is_causal: bool = False,
@@ -30,13 +32,28 @@ class MultiHeadAttention(nnx.Module):
                                  dtype=dtype, rngs=rngs)
     self.is_causal, self.local_window_size = is_causal, local_window_size
     self.implementation = implementation
+    self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+    self.cache = nnx.data(None)  # an nnx.Cache once init_cache has run
+
+  def init_cache(self, batch: int, max_length: int, *, page_size: int = 64):
+    """An empty paged KV cache for ``batch`` sequences of up to ``max_length`` tokens."""
+    empty = paged_cache(batch, max_length, self.kv_heads, self.head_dim,
+                        self.dtype or jnp.float32, page_size)
+    self.cache = nnx.Cache(empty)
 
   def __call__(self, x, *, segment_ids=None, decode=False):
-    if decode:
-      raise NotImplementedError("decode: the paged KV cache (sdpa_paged) is not available yet")
-    out = self_attention(self.query(x), self.key(x), self.value(x), segment_ids=segment_ids,
-                         is_causal=self.is_causal, local_window_size=self.local_window_size,
-                         implementation=self.implementation)
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    options = dict(is_causal=self.is_causal, local_window_size=self.local_window_size,
+                   implementation=self.implementation)
+    if not decode:
+      return self.out(self_attention(q, k, v, segment_ids=segment_ids, **options))
+    if self.cache is None:
+      raise ValueError("decode: call init_cache(batch, max_length) first")
+    if segment_ids is not None or x.ndim != 3:
+      raise ValueError("decode: expected x [B, T, features] and no segment_ids, got x "
+                       f"{tuple(x.shape)}")
+    out, updated = cached_attention(self.cache.get_value(), q, k, v, **options)
+    self.cache.set_value(updated)
     return self.out(out)
 
 
