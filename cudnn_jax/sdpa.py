@@ -166,7 +166,13 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     raise ValueError("dropout_rng: required when dropout_rate > 0")
   _checks.one_of("context_parallel_strategy", context_parallel_strategy, ("all_gather", "ring"))
   if context_parallel_axis is not None:
-    raise UnsupportedError("context_parallel_axis: context parallelism is not implemented yet")
+    unserved = [name for name, x in (
+        ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
+        ("key_value_seq_lengths", key_value_seq_lengths), ("q_segment_ids", q_segment_ids),
+        ("dropout_rate", dropout_rate or None)) if x is not None]
+    if unserved or causal_alignment != "top_left":
+      raise UnsupportedError("context_parallel_axis: not together with "
+                             + ", ".join(unserved or ["causal_alignment='bottom_right'"]))
 
   call = SdpaCall(
       b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=jnp.dtype(query.dtype).name,
@@ -209,6 +215,13 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
   Returns ``out [B,T,N,Hv]`` in the input dtype, and with ``return_lse=True`` also
   ``lse [B,N,T]`` float32 (natural log of the softmax denominator).
 
+  ``context_parallel_axis``: the name of a mesh axis (of ``jax.set_mesh``'s mesh, or the
+  inputs' explicit sharding) along which query, key and value are sharded by sequence;
+  ``context_parallel_strategy`` "all_gather" (each device gathers key and value) or "ring"
+  (key/value shards pass around the devices, partial results merged by log-sum-exp).
+  Self-attention only (one sequence length), causal (top-left) or not, a left window when
+  causal, soft cap and sinks; not with bias, mask, lengths, segment ids or dropout.
+
   ``implementation``: None (fastest engine that serves the call, falling back to "xla"),
   "cudnn", "xla", or a sequence tried in order; a named engine that cannot serve the call
   raises ``cudnn_jax.UnsupportedError`` with the reason. ``cudnn_jax.explain("sdpa", ...)``
@@ -222,6 +235,13 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
       kv_segment_ids=kv_segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_lse=return_lse, context_parallel_axis=context_parallel_axis,
       context_parallel_strategy=context_parallel_strategy)
+  if context_parallel_axis is not None:
+    from cudnn_jax.sdpa_context_parallel import sdpa_context_parallel  # pylint: disable=g-import-not-at-top
+    return sdpa_context_parallel(
+        sdpa, query, key, value, axis=context_parallel_axis,
+        strategy=context_parallel_strategy, is_causal=call.is_causal, window=call.window,
+        sinks=sinks, return_lse=return_lse, scale=call.scale,
+        logits_soft_cap=call.logits_soft_cap, implementation=implementation)
   out, lse = engines.dispatch("sdpa", implementation, call, inputs)
   if call.unbatched:
     out = out[0]

@@ -1,0 +1,110 @@
+"""Context parallelism for ``cudnn_jax.sdpa``: query, key and value sharded along their
+sequence over one mesh axis, each device computing the attention of its query rows.
+
+``"all_gather"``: each device gathers the whole key and value and attends its query rows
+to them (causal: to the keys up to its last row, through bottom-right alignment).
+``"ring"``: the key/value shards travel around the ring of devices; each device attends
+its rows to one shard per step and merges the partial results by their log-sum-exp, so no
+device holds more than one foreign shard at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cudnn_jax.engines import UnsupportedError
+
+
+def _mesh_with(axis, query):
+  mesh = jax.typeof(query).sharding.mesh
+  if mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or axis not in mesh.axis_names:
+    raise ValueError(f"context_parallel_axis: {axis!r} is not an axis of the current mesh "
+                     "(set one with jax.set_mesh, or shard the inputs explicitly)")
+  return mesh
+
+
+def _merge(out, lse, part_out, part_lse):
+  """Two partial softmax results over disjoint keys as one (lse -inf: no key)."""
+  total = jnp.logaddexp(lse, part_lse)
+  finite = jnp.isfinite(total)
+  safe = jnp.where(finite, total, 0.0)
+  weight = lambda l: jnp.where(finite & jnp.isfinite(l), jnp.exp(l - safe), 0.0)
+  to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # [B,N,T] -> [B,T,N,1]
+  return out * to_rows(weight(lse)) + part_out * to_rows(weight(part_lse)), total
+
+
+def _ring(q, k, v, *, axis, size, is_causal, left, attend):
+  index = jax.lax.axis_index(axis)
+  t = q.shape[1]
+  rows = jnp.arange(t)[:, None]
+  cols = jnp.arange(t)[None, :]
+  out = jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32)
+  lse = jnp.full((q.shape[0], q.shape[2], t), -jnp.inf, jnp.float32)
+  for step in range(size):
+    source = (index - step) % size  # the shard k and v came from
+    mask = None
+    if is_causal:
+      t_global, u_global = index * t + rows, source * t + cols
+      keep = u_global <= t_global
+      if left is not None:
+        keep &= u_global >= t_global - left
+      mask = keep[None, None]
+    part_out, part_lse = attend(q, k, v, mask=mask)
+    out, lse = _merge(out, lse, part_out.astype(jnp.float32), part_lse)
+    if step + 1 < size:
+      ring = [(j, (j + 1) % size) for j in range(size)]
+      k, v = jax.lax.ppermute(k, axis, ring), jax.lax.ppermute(v, axis, ring)
+  return out, lse
+
+
+def sdpa_context_parallel(sdpa, query, key, value, *, axis, strategy, is_causal, window,
+                          sinks, return_lse, **kwargs):
+  """``sdpa`` (the op) over sequence shards along mesh ``axis``; ``kwargs`` (scale,
+  soft cap, implementation) pass through to each device's call."""
+  if query.ndim != 4 or key.shape[1] != query.shape[1]:
+    raise UnsupportedError("context_parallel_axis: batched self-attention only (query and "
+                           f"key of one sequence length), got query {tuple(query.shape)} "
+                           f"and key {tuple(key.shape)}")
+  left, right = window if window is not None else (None, None)
+  if window is not None and not is_causal:
+    raise UnsupportedError("context_parallel_axis: a local window needs is_causal=True")
+  mesh = _mesh_with(axis, query)
+  size = mesh.shape[axis]
+  if query.shape[1] % size:
+    raise ValueError(f"context_parallel_axis: the sequence ({query.shape[1]}) must divide "
+                     f"into {size} shards along {axis!r}")
+  del right  # causal: keys past the query row are excluded anyway
+
+  def attend(q, k, v, **extra):
+    return sdpa(q, k, v, scale=kwargs["scale"], logits_soft_cap=kwargs["logits_soft_cap"],
+                implementation=kwargs["implementation"], return_lse=True, **extra)
+
+  def local(q, k, v):
+    if strategy == "ring":
+      out, lse = _ring(q, k, v, axis=axis, size=size, is_causal=is_causal, left=left,
+                       attend=attend)
+    else:
+      k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+      v = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+      extra = {}
+      if is_causal:  # the keys up to this shard's last row, aligned to its end
+        visible = (jax.lax.axis_index(axis) + 1) * q.shape[1]
+        extra = dict(is_causal=True, causal_alignment="bottom_right",
+                     key_value_seq_lengths=jnp.full((q.shape[0],), visible, jnp.int32),
+                     local_window_size=None if left is None else (left, 0))
+      out, lse = attend(q, k, v, **extra)
+    if sinks is not None:  # the sink joins each row's denominator once
+      sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+      out, lse = _merge(out.astype(jnp.float32), lse, jnp.zeros_like(out, jnp.float32), sink)
+    return out.astype(q.dtype), lse
+
+  tokens, rows = P(None, axis), P(None, None, axis)
+  run = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens),
+                      out_specs=(tokens, rows), axis_names={axis}, check_vma=False)
+  out, lse = run(query, key, value)
+  return (out, lse) if return_lse else out
+
