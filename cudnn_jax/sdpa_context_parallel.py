@@ -38,6 +38,8 @@ def _merge(out, lse, part_out, part_lse):
 
 
 def _ring(q, k, v, *, axis, size, is_causal, left, attend):
+  """(out float32, lse) of this device's query rows over every device's keys: one key/value
+  shard per step, passed on to the next device after it."""
   index = jax.lax.axis_index(axis)
   t = q.shape[1]
   rows = jnp.arange(t)[:, None]
