@@ -83,22 +83,57 @@ def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
   Routing (a stable sort of the pairs by expert), both grouped GEMMs and the weighted
   combine run inside this one function, so it jits whole. Returns ``y [T, D]`` in x's
   dtype. Differentiable in x, expert_weights, w_up, w_down.
+
+  Sharding (explicit mesh axes): tokens sharded along an axis run shard by shard with no
+  communication; experts (``w_up``, ``w_down``) sharded along another axis run expert
+  parallel, each shard serving its own experts for every token and the partial outputs
+  summed over that axis.
   """
   call, inputs = _prepare(x, expert_indices, expert_weights, w_up, w_down, glu=glu,
                           activation=activation)
   run = lambda call, inputs: engines.dispatch("moe_mlp", implementation, call, inputs)
-  axes = _token_axes(x)
-  return run(call, inputs) if axes is None else _per_token_shard(run, call, inputs, axes)
+  tokens, experts = _explicit_axes(x), _explicit_axes(w_up)
+  if experts is not None and not set(_names(experts)) & set(_names(tokens)):
+    return _per_expert_shard(run, call, inputs, experts, tokens)
+  return run(call, inputs) if tokens is None else _per_token_shard(run, call, inputs, tokens)
 
 
-def _token_axes(x):
-  """The mesh axes that shard x's tokens explicitly (``AxisType.Explicit``), else None.
+def _explicit_axes(a):
+  """The mesh axes that shard ``a``'s first dimension explicitly (``AxisType.Explicit``),
+  else None (x: the tokens; w_up: the experts).
 
   Under automatic sharding the partitioner places the routing itself (gathering tokens
-  where the sort needs them); explicitly sharded tokens are run shard by shard instead.
+  where the sort needs them); explicitly sharded tokens or experts run shard by shard.
   """
-  spec = jax.typeof(x).sharding.spec
+  spec = jax.typeof(a).sharding.spec
   return spec[0] if spec and spec[0] is not None else None
+
+
+def _names(axes):
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _per_expert_shard(run, call, inputs, experts, tokens):
+  """Expert parallelism: each shard of the experts serves every token's choices among its
+  own experts (the others are out of its range, so they contribute 0 there) and the
+  partial outputs are summed over the expert shards. Tokens stay sharded as they are."""
+  mesh = jax.typeof(inputs.w_up).sharding.mesh
+  size = math.prod(mesh.shape[a] for a in _names(experts))
+  local = dataclasses.replace(call, experts=call.experts // size)
+
+  def per_shard(x, indices, weights, w_up, w_down):
+    first = jax.lax.axis_index(_names(experts)) * local.experts
+    y = run(local, MoeInputs(x, indices - first, weights, w_up, w_down))
+    return jax.lax.psum(y, _names(experts))
+
+  token_spec, expert_spec = P(tokens), P(experts)
+  specs = MoeInputs(token_spec, token_spec, token_spec, expert_spec, expert_spec)
+  # check_vma=False as for token shards (the grouped product's custom_vjp does not track
+  # varying values); the expert shards' cotangents of x and the weights then sum, which is
+  # their gradient.
+  shard_fn = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=token_spec,
+                           check_vma=False)
+  return shard_fn(*inputs)
 
 
 def _per_token_shard(run, call, inputs, axes):
