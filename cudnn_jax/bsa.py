@@ -142,10 +142,14 @@ def bsa_from_mask(block_mask):
 
 def _run_xla(call: BsaCall, x: BsaInputs):
   # The reference as primitives: vmap folds into the batch, and batch- or head-sharded
-  # inputs compute locally.
+  # inputs compute locally. Explicitly sharded inputs carry their shardings through the
+  # reference's batched gathers themselves.
   from cudnn_jax.primitives import bsa as prim  # pylint: disable=g-import-not-at-top
   config = prim.BsaConfig(block_size=call.block_size, scale=call.scale,
                           is_causal=call.is_causal)
+  meshes = (jax.typeof(x.query).sharding.mesh, jax.sharding.get_abstract_mesh())
+  if any(m._any_axis_explicit for m in meshes):  # pylint: disable=protected-access
+    return prim.reference(config, *x)
   return prim.bsa(config, *x)
 
 

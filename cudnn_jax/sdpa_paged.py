@@ -8,7 +8,9 @@ page of the table once more than a kernel reading pages in place would.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from cudnn_jax import _checks, engines
 from cudnn_jax.sdpa import prepare as sdpa_prepare
@@ -20,8 +22,15 @@ def gather_pages(cache, page_table, lengths):
   ids are clipped into the cache."""
   pages, page = cache.shape[:2]
   b, max_pages = page_table.shape
-  rows = cache[jnp.clip(page_table, 0, pages - 1)].reshape(b, max_pages * page,
-                                                             *cache.shape[2:])
+  index = jnp.clip(page_table, 0, pages - 1)
+  out_sharding = None
+  if jax.typeof(cache).sharding.mesh._any_axis_explicit:  # pylint: disable=protected-access
+    # Explicit shardings: the rows keep the table's batch and the cache's head sharding.
+    table_spec = tuple(jax.typeof(page_table).sharding.spec) + (None,) * 2
+    cache_spec = tuple(jax.typeof(cache).sharding.spec) + (None,) * 4
+    out_sharding = P(*table_spec[:2], *cache_spec[1:4])
+  rows = jnp.asarray(cache).at[index].get(out_sharding=out_sharding)
+  rows = rows.reshape(b, max_pages * page, *cache.shape[2:])
   keep = jnp.arange(max_pages * page)[None, :] < lengths[:, None]
   return jnp.where(keep[:, :, None, None], rows, jnp.zeros((), cache.dtype))
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
 from sdpa_oracle import oracle, oracle_vjp, rel_err_finite as rel_err
@@ -135,12 +135,19 @@ def test_bsa_explain_and_bad_inputs():
     cudnn_jax.bsa_from_mask(jnp.zeros((1, 1, 2, 2), jnp.int32))
 
 
-def test_bsa_batch_and_head_sharded_stays_local():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_bsa_batch_and_head_sharded_stays_local(axis_type):
   """Batch- and head-sharded inputs: the same results, no data movement between devices."""
   devices = jax.devices()
   if len(devices) < 8:
     pytest.skip("needs the 8-device CPU mesh of conftest.py")
-  mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("b", "h"))
+  mesh = jax.make_mesh((4, 2), ("b", "h"), devices=devices[:8],
+                       axis_types=(getattr(AxisType, axis_type),) * 2)
+  with jax.set_mesh(mesh):
+    _check_sharded_bsa(mesh)
+
+
+def _check_sharded_bsa(mesh):
   q, k, v, index, counts = make_case(np.random.default_rng(5), b=4)
   tokens, rows = P("b", None, "h"), P("b", "h")
   args = [jax.device_put(x, NamedSharding(mesh, s))
@@ -151,6 +158,9 @@ def test_bsa_batch_and_head_sharded_stays_local():
   np.testing.assert_allclose(out, call(q, k, v, index, counts), rtol=1e-6, atol=1e-6)
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, tokens), out.ndim)
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(call(*a) ** 2), argnums=(0, 1, 2)))
+  want = jax.grad(lambda *a: jnp.sum(call(*a) ** 2), argnums=(0, 1, 2))(q, k, v, index, counts)
+  for g, w in zip(grad(*args), want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
   for fn in (fwd, grad):
     hlo = fn.lower(*args).compile().as_text()
     for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):

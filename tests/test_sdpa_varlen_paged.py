@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import cudnn_jax
 from sdpa_oracle import (oracle, paged_case, rel_err_finite as rel_err, varlen_case,
@@ -162,13 +162,20 @@ def test_paged_explain_and_bad_inputs():
     cudnn_jax.sdpa_paged(query, kc, vc, table, lens[:1])
 
 
-def test_head_and_batch_sharded_stay_local():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_head_and_batch_sharded_stay_local(axis_type):
   """Head-sharded packed sequences, and batch- and head-sharded paged decode (the cache
   sharded by kv head): no data movement between devices."""
   devices = jax.devices()
   if len(devices) < 8:
     pytest.skip("needs the 8-device CPU mesh of conftest.py")
-  mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("b", "h"))
+  mesh = jax.make_mesh((4, 2), ("b", "h"), devices=devices[:8],
+                       axis_types=(getattr(AxisType, axis_type),) * 2)
+  with jax.set_mesh(mesh):
+    _check_sharded_layouts(mesh)
+
+
+def _check_sharded_layouts(mesh):
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   q, k, v, cu_q, cu_kv = varlen_case(np.random.default_rng(8), Q_LENS, KV_LENS)
   varlen = jax.jit(functools.partial(cudnn_jax.sdpa_varlen, max_seqlen_q=max(Q_LENS),

@@ -30,18 +30,18 @@ class BsaConfig:
   is_causal: bool
 
 
-def _reference(config, q, k, v, index, counts, sizes):
+def reference(config, q, k, v, index, counts, sizes):
   from cudnn_jax.reference import bsa as ref  # pylint: disable=g-import-not-at-top
   return ref.bsa(q, k, v, index, counts, sizes, block_size=config.block_size,
                  scale=config.scale, is_causal=config.is_causal)
 
 
 def _fwd_impl(config, *args):
-  return tuple(_reference(config, *args))
+  return tuple(reference(config, *args))
 
 
 def _bwd_impl(config, q, k, v, index, counts, sizes, d_out, d_lse):
-  _, pull = jax.vjp(lambda q, k, v: _reference(config, q, k, v, index, counts, sizes), q, k, v)
+  _, pull = jax.vjp(lambda q, k, v: reference(config, q, k, v, index, counts, sizes), q, k, v)
   return pull((d_out, d_lse))
 
 

@@ -21,6 +21,23 @@ def _blocks(x, num_blocks, block_size):
   return x.reshape(x.shape[0], num_blocks, block_size, *x.shape[2:])
 
 
+def _per_query_head(x, group):
+  """``x [B,K,...]`` per kv head -> ``[B,K*group,...]`` per query head (head n reads kv head
+  ``n // group``)."""
+  b, k = x.shape[:2]
+  x = jnp.broadcast_to(x[:, :, None], (b, k, group) + x.shape[2:])
+  return x.reshape((b, k * group) + x.shape[3:])
+
+
+def _select(blocks, idx):
+  """``blocks [B,N,Nkv,...]`` at ``idx [B,N,Nq,Kmax]`` -> ``[B,N,Nq,Kmax,...]``: a gather
+  batched over B and N (so sharded B and N stay where they are)."""
+  b, n, nq, kmax = idx.shape
+  flat = jnp.expand_dims(idx.reshape(b, n, nq * kmax), tuple(range(3, blocks.ndim)))
+  out = jnp.take_along_axis(blocks, flat, axis=2)
+  return out.reshape((b, n, nq, kmax) + blocks.shape[3:])
+
+
 def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_size, scale,
         is_causal):
   """Returns ``(out [B,Sq,N,Hv], lse [B,N,Sq] float32)``.
@@ -39,8 +56,7 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
   idx = block_index
   selected = (slot < block_counts[..., None]) & (idx >= 0) & (idx < nkv)
   idx = jnp.where(selected, idx, 0)  # [B,N,Nq,Kmax], in range
-  kv_head = jnp.arange(n) // g
-  sizes = kv_block_sizes[jnp.arange(b)[:, None, None, None], kv_head[None, :, None, None], idx]
+  sizes = _select(_per_query_head(kv_block_sizes, g), idx)  # [B,N,Nq,Kmax]
   token = jnp.arange(bs)
   keep = selected[..., None] & (token < sizes[..., None])  # [B,N,Nq,Kmax,bs]
   keep = keep[:, :, :, None]  # [B,N,Nq,1(query row),Kmax,bs]
@@ -49,12 +65,9 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
     u = idx[..., None] * bs + token  # [B,N,Nq,Kmax,bs] key positions
     keep = keep & (u[:, :, :, None] <= t[None, None, :, :, None, None])
 
-  # Gather each query head's kv blocks: [B,N,Nq,Kmax,bs,H].
-  kb = _blocks(key, nkv, bs).transpose(0, 3, 1, 2, 4)  # [B,K,Nkv,bs,H]
-  vb = _blocks(value, nkv, bs).transpose(0, 3, 1, 2, 4)
-  batch = jnp.arange(b)[:, None, None, None]
-  kh = kv_head[None, :, None, None]
-  k_sel, v_sel = kb[batch, kh, idx], vb[batch, kh, idx]
+  # Each query head's kv blocks: [B,N,Nq,Kmax,bs,H].
+  per_head = lambda x: _per_query_head(_blocks(x, nkv, bs).transpose(0, 3, 1, 2, 4), g)
+  k_sel, v_sel = _select(per_head(key), idx), _select(per_head(value), idx)
 
   qb = _blocks(query, nq, bs).transpose(0, 3, 1, 2, 4)  # [B,N,Nq,bs,H]
   logits = jnp.einsum("bnmqh,bnmjkh->bnmqjk", qb, k_sel, precision=prec,
