@@ -260,10 +260,12 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
     return internal_error(
         stage_message(op, "set_stream", err + " (stream " + capture_text(stream) + ")"));
   }
+  const bool recording = capturing(stream);
   Candidate run;
+  int64_t size = 0;
   {
     std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
-    if (plan.plan_index < 0 && capturing(stream)) {
+    if (plan.plan_index < 0 && recording) {
       // A CUDA graph is being recorded, so nothing can be timed: this run takes the
       // heuristic's choice and leaves the choice to the first run outside a graph.
       std::vector<Candidate> candidates = fitting_candidates(plan, workspace);
@@ -271,6 +273,7 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
         return internal_error(stage_message(op, "plan", "no built plan fits the workspace"));
       }
       run = candidates[0];
+      size = plan_workspace(*run.graph, run.index);
     } else {
       if (plan.plan_index < 0) {
         if (ffi::Error err = choose_plan(plan, handle.handle, stream, workspace, tensors, op);
@@ -279,11 +282,11 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
         }
       }
       run = {plan.graph, plan.plan_index};
+      size = plan.workspace_size;
     }
   }
 
-  if (capturing(stream)) PlanCache::global().count_recorded();
-  int64_t size = plan_workspace(*run.graph, run.index);
+  if (recording) PlanCache::global().count_recorded();
   void* aligned = nullptr;
   if (!aligned_workspace(workspace, size, &aligned)) {
     return workspace_error(op, "workspace", size, workspace);
