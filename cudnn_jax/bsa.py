@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _sharding, engines
 
 BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -147,8 +147,7 @@ def _run_xla(call: BsaCall, x: BsaInputs):
   from cudnn_jax.primitives import bsa as prim  # pylint: disable=g-import-not-at-top
   config = prim.BsaConfig(block_size=call.block_size, scale=call.scale,
                           is_causal=call.is_causal)
-  meshes = (jax.typeof(x.query).sharding.mesh, jax.sharding.get_abstract_mesh())
-  if any(m._any_axis_explicit for m in meshes):  # pylint: disable=protected-access
+  if _sharding.explicit_mesh(x.query):
     return prim.reference(config, *x)
   return prim.bsa(config, *x)
 

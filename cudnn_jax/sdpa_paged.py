@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _sharding, engines
 from cudnn_jax.sdpa import prepare as sdpa_prepare
 
 
@@ -24,7 +24,7 @@ def gather_pages(cache, page_table, lengths):
   b, max_pages = page_table.shape
   index = jnp.clip(page_table, 0, pages - 1)
   out_sharding = None
-  if jax.typeof(cache).sharding.mesh._any_axis_explicit:  # pylint: disable=protected-access
+  if _sharding.explicit_mesh(cache):
     # Explicit shardings: the rows keep the table's batch and the cache's head sharding.
     table_spec = tuple(jax.typeof(page_table).sharding.spec) + (None,) * 2
     cache_spec = tuple(jax.typeof(cache).sharding.spec) + (None,) * 4
