@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
+from mesh_cases import mesh_or_skip
 
 CASES = {
     "full": dict(),
@@ -18,12 +19,6 @@ CASES = {
     "causal_sinks_softcap": dict(is_causal=True, logits_soft_cap=2.0,
                                  sinks=np.array([0.5, -1.0, 0.0, 1.5], np.float32)),
 }
-
-
-def mesh_or_skip():
-  if len(jax.devices()) < 8:
-    pytest.skip("needs the 8-device CPU mesh of conftest.py")
-  return jax.make_mesh((2, 4), ("data", "cp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def inputs(seed=0):
@@ -37,7 +32,7 @@ def inputs(seed=0):
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("name", CASES)
 def test_context_parallel_equals_unsharded(strategy, name):
-  mesh = mesh_or_skip()
+  mesh = mesh_or_skip((2, 4), ("data", "cp"))
   kwargs = CASES[name]
   q, k, v = inputs()
   ct = np.random.default_rng(1).standard_normal((2, 32, 4, 8)).astype(np.float32)
@@ -65,7 +60,7 @@ def test_context_parallel_equals_unsharded(strategy, name):
 
 
 def test_context_parallel_declines_what_it_does_not_serve():
-  mesh = mesh_or_skip()
+  mesh = mesh_or_skip((2, 4), ("data", "cp"))
   q, k, v = inputs()
   call = functools.partial(cudnn_jax.sdpa, context_parallel_axis="cp")
   with jax.set_mesh(mesh):

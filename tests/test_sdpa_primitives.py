@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cudnn_jax.primitives import sdpa as prim
+from mesh_cases import assert_no_collectives, mesh_or_skip
 
 B, T, S, N, K, H = 4, 16, 24, 4, 2, 32
 
@@ -104,10 +105,8 @@ def test_vmap_folds_into_batch(bias_batched):
 
 @pytest.mark.parametrize("with_lse", [True, False])
 def test_batch_and_head_sharding_stay_local(with_lse):
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  mesh = mesh_or_skip((4, 2), ("data", "model"), "Explicit")
   q, k, v, bias = _inputs(5)
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
   bshd = NamedSharding(mesh, P("data", None, "model", None))
   args = [jax.device_put(x, bshd) for x in (q, k, v)]
   args.append(jax.device_put(bias, NamedSharding(mesh, P(None, "model", None, None))))
@@ -117,9 +116,7 @@ def test_batch_and_head_sharding_stay_local(with_lse):
   assert len(lse) == with_lse
   _close(out, _ref(q, k, v, bias)[0])
   assert tuple(out.sharding.spec)[:3] == ("data", None, "model")
-  hlo = fwd.lower(*args).compile().as_text()
-  assert not any(c in hlo for c in ("all-gather", "all-reduce", "all-to-all",
-                                    "collective-permute"))
+  assert_no_collectives(fwd, *args)
 
 
 def test_ffi_calls_take_a_workspace_result_sized_by_the_extension(monkeypatch):
