@@ -15,7 +15,7 @@ chunk_gated_delta_rule, in the table.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
 --engine picks the cudnn_jax engines, comma-separated (default xla; "cute": the GPU
-kernels of cudnn_jax/pallas/), each a row beside the same FLA timing; --forward-only leaves out forward+backward; --shapes
+kernels of cudnn_jax/triton/), each a row beside the same FLA timing; --forward-only leaves out forward+backward; --shapes
 takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
 --profile: instead of the table, device time by engine stage (the ``jax.named_scope``
 names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
@@ -130,7 +130,7 @@ INTRA_VARIANTS = ((4, 32, None), (4, 32, 60.0), (8, 32, 60.0), (4, 64, 60.0), (2
 def print_intra(shape, variants=INTRA_VARIANTS):
   """The forward's intra-chunk stage alone: XLA's (the reference) against the kernel's
   (num_warps, bk, span_limit) variants; device ms and output differences."""
-  from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.triton import kda_intra  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   c = 64
   dims = (shape.t // c, shape.b, shape.h, c)
@@ -181,7 +181,7 @@ SCAN_VARIANTS = ((64, 4, 1), (32, 4, 1), (16, 4, 1), (64, 4, 2), (32, 4, 2), (12
 def print_scan(shape, variants=SCAN_VARIANTS):
   """The state scans alone, forward (the outputs, states not written: the forward pass
   alone) and backward, by tiling; device ms and differences from the first variant."""
-  from cudnn_jax.pallas import kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.triton import kda_scan  # pylint: disable=g-import-not-at-top
   c = 64
   nc = shape.t // c
   chunk = lambda key, d: jax.random.normal(key, (nc, shape.b, shape.h, c, d)) / 8

@@ -43,8 +43,8 @@ import numpy as np
 
 import cudnn_jax
 from harness import device_ms, error_text, rel_diff, time_back_to_back, time_calls, write_results
-from cudnn_jax.gemm import gemm, grouped_gemm
-from cudnn_jax.moe import moe_mlp
+from cudnn_jax.ops.gemm import gemm, grouped_gemm
+from cudnn_jax.ops.moe import moe_mlp
 
 WARMUP = 3
 CALLS = 20

@@ -5,15 +5,15 @@ the fastest engine that serves the call and falls back to "xla".
 """
 
 from cudnn_jax._extension import cache_info
-from cudnn_jax.bsa import bsa, bsa_from_mask
-from cudnn_jax.conv import conv3d
+from cudnn_jax.ops.bsa import bsa, bsa_from_mask
+from cudnn_jax.ops.conv3d import conv3d
 from cudnn_jax.engines import UnsupportedError, explain
-from cudnn_jax.gemm import gemm, grouped_gemm
-from cudnn_jax.kda import gdn, kda
-from cudnn_jax.moe import moe_mlp
-from cudnn_jax.sdpa import sdpa
-from cudnn_jax.sdpa_paged import sdpa_paged
-from cudnn_jax.sdpa_varlen import sdpa_varlen
+from cudnn_jax.ops.gemm import gemm, grouped_gemm
+from cudnn_jax.ops.kda import gdn, kda
+from cudnn_jax.ops.moe import moe_mlp
+from cudnn_jax.ops.sdpa import sdpa
+from cudnn_jax.ops.sdpa_paged import sdpa_paged
+from cudnn_jax.ops.sdpa_varlen import sdpa_varlen
 
 __all__ = ["UnsupportedError", "bsa", "bsa_from_mask", "cache_info", "conv3d", "explain", "gdn",
            "gemm", "grouped_gemm", "kda", "moe_mlp", "sdpa", "sdpa_paged", "sdpa_varlen"]

@@ -1,7 +1,7 @@
 """gemm and grouped_gemm on the "xla" engine (CPU) against the float64 oracle of SPEC 4."""
 
 import functools
-import importlib
+
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
 import gemm_oracle as oracle
-from cudnn_jax.gemm import gemm, grouped_gemm
+from cudnn_jax.ops.gemm import gemm, grouped_gemm
 
 TOL = {
     "float32": dict(rtol=1e-5, atol=1e-5),
@@ -358,7 +358,7 @@ def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, glu, activatio
   """A GPU engine's wiring (weight layouts, offsets, epilogue, masked tail, VJP) with its
   FFI call replaced by an emulation, against the xla engine: the value alone (the cute
   engine's fused epilogue) and under differentiation."""
-  gemm_module = importlib.import_module("cudnn_jax.gemm")
+  from cudnn_jax.ops import gemm as gemm_module
   oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   run = gemm_module.grouped_gemms[engine]
   from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
@@ -381,7 +381,7 @@ def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, glu, activatio
 def test_gemm_cute_engine_python_side(monkeypatch, glu):
   """gemm's cute engine (one group on the grouped kernel) with the FFI call emulated,
   against the xla engine: batch dims, bias, epilogue, amax, gradients."""
-  gemm_module = importlib.import_module("cudnn_jax.gemm")
+  from cudnn_jax.ops import gemm as gemm_module
   oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   a, b, bias = gemm_case(jnp.float32, glu, batch=(2, 3), m=5, k=16, n=8)
   call, inputs = gemm_module._prepare_gemm(  # pylint: disable=protected-access

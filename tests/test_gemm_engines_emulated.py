@@ -6,7 +6,7 @@ emulated kernels (gemm_oracle) follow the handlers' contracts: the cute kernel w
 past the last group; cuDNN's node leaves those rows to the caller.
 """
 
-import importlib
+
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +16,8 @@ import pytest
 import gemm_oracle as oracle
 from cudnn_jax import engines
 
-gemm_module = importlib.import_module("cudnn_jax.gemm")
-moe_module = importlib.import_module("cudnn_jax.moe")
+from cudnn_jax.ops import gemm as gemm_module
+from cudnn_jax.ops import moe as moe_module
 
 
 @pytest.fixture

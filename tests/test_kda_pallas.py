@@ -1,4 +1,4 @@
-"""The fused kernels of the kda "cute" engine (cudnn_jax/pallas/), run by the Pallas
+"""The fused kernels of the kda "cute" engine (cudnn_jax/triton/), run by the Pallas
 interpreter on any backend, alone against float64 NumPy and inside the whole op (values and
 gradients) against the xla engine, and lowered to Triton for an sm_90 GPU."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cudnn_jax
-from cudnn_jax.pallas import kda_chunks, kda_intra, kda_pairs, kda_scan
+from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan
 from cudnn_jax.reference import kda as ref
 from kda_cases import check_intra_kernel
 

@@ -1,7 +1,7 @@
 """moe_mlp on the "xla" engine (CPU) against a dense float64 loop over tokens and experts."""
 
 import functools
-import importlib
+
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
 import gemm_oracle as oracle
-from cudnn_jax.moe import moe_mlp
+from cudnn_jax.ops.moe import moe_mlp
 
 TOL = {
     "float32": dict(rtol=1e-5, atol=1e-5),
@@ -223,7 +223,7 @@ def test_engines_and_explain():
 def test_gpu_engine_python_side(monkeypatch, engine):
   """moe_mlp's GPU engines (both projections on a GPU grouped product) with the FFI calls
   emulated, against the xla engine: values and gradients."""
-  gemm_module = importlib.import_module("cudnn_jax.gemm")
+  from cudnn_jax.ops import gemm as gemm_module
   oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
   x, idx, weights, w_up, w_down = moe_case()

@@ -1,7 +1,7 @@
 """cudnn_jax.sdpa on the "xla" engine (CPU) against the float64 oracle of SPEC section 1."""
 
 import functools
-import importlib
+
 
 import jax
 import jax.numpy as jnp
@@ -448,7 +448,7 @@ def test_sharded_matches_unsharded(mesh_shape, axes, spec, cfg):
     (64, 64, True, 64, 0, True),     # per-batch lengths move the corner
 ])
 def test_cudnn_view_of_bottom_right_causal(t, s, lengths, view_t, skip, bottom_right):
-  sdpa_module = importlib.import_module("cudnn_jax.sdpa")  # the package's `sdpa` is the op
+  from cudnn_jax.ops import sdpa as sdpa_module
   args, kwargs = make_case(Config(b=2, t=t, s=s, n=2, k=2, is_causal=True, bias="11ts",
                                   causal_alignment="bottom_right", q_lengths=lengths,
                                   kv_lengths=lengths))
@@ -462,7 +462,7 @@ def test_cudnn_view_of_bottom_right_causal(t, s, lengths, view_t, skip, bottom_r
 def test_cudnn_engine_python_side_matches_xla(monkeypatch, t, s):
   """The cudnn engine's views (row cut, alignment, mask folded into the bias, empty-row
   fix-up) over the primitives' emulated CPU lowering, against the xla engine."""
-  sdpa_module = importlib.import_module("cudnn_jax.sdpa")
+  from cudnn_jax.ops import sdpa as sdpa_module
   monkeypatch.setattr(sdpa_module, "_cudnn_check", lambda *a, **kw: None)
   args, kwargs = make_case(Config(b=2, t=t, s=s, n=4, k=2, is_causal=True, bias="1nts",
                                   mask="b1ts", causal_alignment="bottom_right"))

@@ -63,6 +63,6 @@ def test_intra_kernel_matches_reference(dt, steep, span_limit):
   """pallas/kda_intra.py compiled by Triton, at C = 64, K = V = 128, against the reference's
   intra-chunk stage: pairs inside sub-blocks summed directly, or as products where the
   gates allow."""
-  from cudnn_jax.pallas import kda_intra  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.triton import kda_intra  # pylint: disable=g-import-not-at-top
   check_intra_kernel(functools.partial(kda_intra.intra, span_limit=span_limit), 64, 128, 128,
                      dt, steep, lead=(3, 2, 4))

@@ -236,7 +236,7 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
       return_lse=return_lse, context_parallel_axis=context_parallel_axis,
       context_parallel_strategy=context_parallel_strategy)
   if context_parallel_axis is not None:
-    from cudnn_jax.sdpa_context_parallel import sdpa_context_parallel  # pylint: disable=g-import-not-at-top
+    from cudnn_jax.ops.sdpa_context_parallel import sdpa_context_parallel  # pylint: disable=g-import-not-at-top
     return sdpa_context_parallel(
         sdpa, query, key, value, axis=context_parallel_axis,
         strategy=context_parallel_strategy, is_causal=call.is_causal, window=call.window,

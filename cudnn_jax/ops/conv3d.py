@@ -158,7 +158,7 @@ def conv3d(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_b
 
 
 def _run_xla(call: Conv3dCall, x: Conv3dInputs):
-  from cudnn_jax.reference import conv as ref  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.reference import conv3d as ref  # pylint: disable=g-import-not-at-top
   y = ref.conv3d(*x, padding=call.padding, strides=call.strides, dilation=call.dilation,
                  norm=call.norm, num_groups=call.num_groups, eps=call.eps,
                  activation=call.activation)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cudnn_jax import _checks, _sharding, engines
-from cudnn_jax.sdpa import prepare as sdpa_prepare
+from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
 
 
 def gather_pages(cache, page_table, lengths):

@@ -169,7 +169,7 @@ engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_x
 
 def _projections(call: MoeCall):
   """The two grouped GEMMs of ``call`` as grouped_gemm calls (for their engines' checks)."""
-  from cudnn_jax.gemm import GroupedGemmCall  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.ops.gemm import GroupedGemmCall  # pylint: disable=g-import-not-at-top
   rows = call.tokens * call.top_k
   up = GroupedGemmCall(m=rows, k=call.d, n=call.f, groups=call.experts, dtype=call.dtype,
                        out_dtype=call.dtype, activation=call.activation, glu=call.glu)
@@ -180,7 +180,7 @@ def _projections(call: MoeCall):
 
 def _register_gpu_engine(name):
   # The module, not the function of the same name that cudnn_jax exports.
-  from cudnn_jax.gemm import grouped_gemms  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.ops.gemm import grouped_gemms  # pylint: disable=g-import-not-at-top
   grouped = engines.engine("grouped_gemm", name)
 
   def supports(call: MoeCall):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, engines
-from cudnn_jax.sdpa import prepare as sdpa_prepare
+from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
 
 
 def segment_rows(cu_seqlens, total, max_len):

@@ -218,7 +218,7 @@ for _op in ("kda", "gdn"):
 
 
 # "cute", our own GPU kernels, the default on a GPU: the xla engine with stages as Pallas
-# kernels compiled by XLA through Triton (cudnn_jax/pallas/): the preprocessing, tokens to
+# kernels compiled by XLA through Triton (cudnn_jax/triton/): the preprocessing, tokens to
 # normalized float32 chunks with the gates summed (kda_chunks.py); the forward's
 # intra-chunk stage, one program per chunk and head (kda_intra.py; its VJP as a kernel was
 # slower than jax.vjp of XLA's stage, which the backward differentiates); the state
@@ -242,7 +242,7 @@ def _supports_fused(call: KdaCall) -> str | None:
 
 
 def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.pallas import kda_chunks, kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
   return _run_xla(call, x, fused=ref.FusedKernels(chunks=kda_chunks.chunks,
                                                   scan_output=kda_scan.scan_output,

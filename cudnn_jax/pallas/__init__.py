@@ -1,1 +1,0 @@
-"""Pallas kernels (compiled by XLA through Triton on NVIDIA GPUs)."""

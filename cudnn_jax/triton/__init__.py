@@ -1,0 +1,1 @@
+"""Pallas kernels compiled by XLA through Triton on NVIDIA GPUs: the "triton" engines."""
