@@ -1,7 +1,8 @@
 """cudnn_jax: cuDNN-grade fused GPU ops for JAX, with a pure-JAX engine everywhere.
 
-Every op takes ``implementation=None | "cudnn" | "cute" | "xla" | sequence``; None picks
-the fastest engine that serves the call and falls back to "xla".
+Every op takes ``implementation=None | "cudnn" | "cute" | "triton" | "mosaic" | "xla" |
+sequence``, engines named after the technology that runs them; None picks the fastest
+engine that serves the call and falls back to "xla".
 """
 
 from cudnn_jax._extension import cache_info

@@ -1,6 +1,9 @@
 """Engine registry: which implementation serves a call, and why the others decline.
 
-Every op has engines registered under a name ("cudnn", "cute", "xla"). An engine is a
+Every op has engines registered under the name of the technology that runs them:
+"cudnn" (cuDNN graphs), "cute" (our CuTe DSL kernels compiled ahead of time), "triton" /
+"mosaic" (our Pallas kernels lowered through Triton / Mosaic GPU), "xla" (pure JAX). An
+engine is a
 ``supports(call) -> str | None`` check over static facts (shapes, dtypes, flags, backend,
 GPU generation) that returns ``None`` when it can serve the call and otherwise the reason,
 plus ``run(call, *arrays)``. ``implementation=None`` tries engines in preference order and
@@ -15,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-ENGINE_NAMES = ("cudnn", "cute", "xla")
+ENGINE_NAMES = ("cudnn", "cute", "triton", "mosaic", "xla")  # preference order
 
 
 class UnsupportedError(NotImplementedError):
