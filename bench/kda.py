@@ -1,7 +1,7 @@
 """Benchmark of cudnn_jax.kda (or gdn) against FLA's chunk_kda (chunk_gated_delta_rule).
 
-    python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan] [--engine xla,cute]
-                        [--shapes 8x4096] [--op kda|gdn]
+    python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan]
+                        [--engine triton,xla] [--shapes 8x4096] [--op kda|gdn]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -14,15 +14,16 @@ cudnn_jax.gdn (a float32 log decay per head, g [B,T,H]) against FLA's
 chunk_gated_delta_rule, in the table.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
---engine picks the cudnn_jax engines, comma-separated (default xla; "cute": the GPU
-kernels of cudnn_jax/triton/), each a row beside the same FLA timing; --forward-only leaves out forward+backward; --shapes
-takes a subset of the B x T pairs (comma-separated, e.g. 8x4096). With
---profile: instead of the table, device time by engine stage (the ``jax.named_scope``
-names in cudnn_jax/reference/kda.py) and the costliest HLO instructions at B=8 T=4096,
-XLA's command buffers turned off so that every kernel is seen. With --intra: instead of
-the table, the forward's intra-chunk stage alone at B=8 T=4096 (device time): XLA's (the
-reference) against the Pallas kernel (pallas/kda_intra.py) by warps, K block and span limit.
-With --scan: the state scan kernels (pallas/kda_scan.py) alone by tiling, at --shapes.
+--engine picks the cudnn_jax engines, comma-separated (default xla; "triton": the Pallas
+kernels of cudnn_jax/triton/), each a row beside the same FLA timing; --forward-only
+leaves out forward+backward; --shapes takes a subset of the B x T pairs (comma-separated,
+e.g. 8x4096). With --profile: instead of the table, device time by engine stage (the
+``jax.named_scope`` names of cudnn_jax/reference/kda.py and cudnn_jax/triton/kda.py) and
+the costliest HLO instructions at B=8 T=4096, XLA's command buffers turned off so that
+every kernel is seen. With --intra: instead of the table, the forward's intra-chunk stage
+alone at B=8 T=4096 (device time): XLA's (the reference) against the Pallas kernel
+(cudnn_jax/triton/kda_intra.py) by warps, K block and span limit. With --scan: the state
+scan kernels (cudnn_jax/triton/kda_scan.py) alone by tiling, at --shapes.
 Writes DIR/<op>_<engines>.json (DIR defaults to bench/results).
 """
 
@@ -303,7 +304,7 @@ def main():
   parser.add_argument("--scan", action="store_true",
                       help="instead of the table, the state scan kernels by tiling")
   parser.add_argument("--engine", default="xla",
-                      help="cudnn_jax engines, comma-separated: xla, cute (the table runs "
+                      help="cudnn_jax engines, comma-separated: triton, xla (the table runs "
                            "each; the other modes the first)")
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
@@ -312,7 +313,7 @@ def main():
                       help="the op of the table (the other modes run kda)")
   args = parser.parse_args()
   engines = args.engine.split(",")
-  if unknown := set(engines) - {"xla", "cute"}:
+  if unknown := set(engines) - {"triton", "xla"}:
     parser.error(f"--engine: unknown {sorted(unknown)}")
   global ENGINE, OP  # pylint: disable=global-statement
   ENGINE = engines[0]

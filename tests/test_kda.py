@@ -195,7 +195,7 @@ BAD_INPUTS = [
     ("chunk_size", dict(chunk_size=16), ValueError),
     ("scale", dict(scale="big"), TypeError),
     ("output_final_state", dict(output_final_state=1), TypeError),
-    ("implementation", dict(implementation="triton"), ValueError),
+    ("implementation", dict(implementation="pallas"), ValueError),
 ]
 
 

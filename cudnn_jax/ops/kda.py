@@ -183,7 +183,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
   Returns ``(o [B,T,HV,V]`` in q's dtype, ``final_state [N,HV,K,V]`` float32 or None unless
   ``output_final_state``). Differentiable in q, k, v, g, beta, initial_state, a_log,
-  dt_bias. ``implementation``: None, "xla", or a sequence, as for ``cudnn_jax.sdpa``.
+  dt_bias. ``implementation``: None, "triton" (Pallas kernels through Triton; NVIDIA GPUs),
+  "xla", or a sequence of those, as for every op.
   """
   kwargs = {k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v", "g", "beta")}
   return _apply("kda", q, k, v, g, beta, kwargs)
@@ -217,7 +218,7 @@ for _op in ("kda", "gdn"):
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cute", our own GPU kernels, the default on a GPU: the xla engine with stages as Pallas
+# "triton", our own GPU kernels, the default on a GPU: the xla engine with stages as Pallas
 # kernels compiled by XLA through Triton (cudnn_jax/triton/): the preprocessing, tokens to
 # normalized float32 chunks with the gates summed (kda_chunks.py); the forward's
 # intra-chunk stage, one program per chunk and head (kda_intra.py; its VJP as a kernel was
@@ -260,5 +261,5 @@ def _run_fused_gdn(call: KdaCall, x: KdaInputs):
   return _run_fused(call, x._replace(g=jnp.broadcast_to(x.g, (b, t, hv, call.k))))
 
 
-engines.register_engine("kda", "cute", supports=_supports_fused, run=_run_fused)
-engines.register_engine("gdn", "cute", supports=_supports_fused, run=_run_fused_gdn)
+engines.register_engine("kda", "triton", supports=_supports_fused, run=_run_fused)
+engines.register_engine("gdn", "triton", supports=_supports_fused, run=_run_fused_gdn)

@@ -1,4 +1,4 @@
-"""The fused kernels of the kda "cute" engine (cudnn_jax/triton/), run by the Pallas
+"""The Pallas kernels of the kda "triton" engine (cudnn_jax/triton/), run by the Pallas
 interpreter on any backend, alone against float64 NumPy and inside the whole op (values and
 gradients) against the xla engine, and lowered to Triton for an sm_90 GPU."""
 
@@ -114,9 +114,9 @@ def test_fused_engine_declines_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("on a GPU the engine serves")
   q = jnp.ones((1, 16, 1, 8), jnp.float32)
-  with pytest.raises(cudnn_jax.UnsupportedError, match="cute: default backend"):
+  with pytest.raises(cudnn_jax.UnsupportedError, match="triton: default backend"):
     cudnn_jax.kda(q, q, q, -jnp.ones((1, 16, 1, 8)), jnp.ones((1, 16, 1)),
-                  implementation="cute")
+                  implementation="triton")
 
 
 def test_kernels_lower_to_triton_for_sm90():
