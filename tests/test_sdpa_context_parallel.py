@@ -1,5 +1,6 @@
 """cudnn_jax.sdpa with context parallelism (the sequence sharded over a mesh axis) on the
-8-device CPU mesh: equal to the unsharded call, gradients included."""
+8-device CPU mesh: equal to the unsharded call, gradients included, under jax.jit and
+called eagerly, on meshes of either axis type, with inputs sharded along the axis or not."""
 
 import functools
 
@@ -20,6 +21,10 @@ CASES = {
                                  sinks=np.array([0.5, -1.0, 0.0, 1.5], np.float32)),
 }
 
+# Where the inputs live: sharded along the batch and the context-parallel axis, along the
+# batch only, or NumPy arrays (placed by the call itself).
+PLACEMENTS = {"sequence": P("data", "cp"), "batch": P("data"), "numpy": None}
+
 
 def inputs(seed=0):
   rng = np.random.default_rng(seed)
@@ -29,11 +34,9 @@ def inputs(seed=0):
   return q, k, v
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-@pytest.mark.parametrize("name", CASES)
-def test_context_parallel_equals_unsharded(strategy, name):
-  mesh = mesh_or_skip((2, 4), ("data", "cp"))
-  kwargs = CASES[name]
+def check_equals_unsharded(mesh, strategy, kwargs, placement, jit):
+  """Values, lse and gradients of the context-parallel call (inside jax.set_mesh, jitted
+  or eager) against the unsharded one; out is sharded along the sequence on ``cp``."""
   q, k, v = inputs()
   ct = np.random.default_rng(1).standard_normal((2, 32, 4, 8)).astype(np.float32)
   attention = functools.partial(cudnn_jax.sdpa, return_lse=True, implementation="xla",
@@ -45,18 +48,57 @@ def test_context_parallel_equals_unsharded(strategy, name):
 
   parallel = functools.partial(attention, context_parallel_axis="cp",
                                context_parallel_strategy=strategy)
+  wrap = jax.jit if jit else (lambda f: f)
   with jax.set_mesh(mesh):
-    tokens = NamedSharding(mesh, P("data", "cp"))
-    args = [jax.device_put(x, tokens) for x in (q, k, v)]
-    out, lse = jax.jit(parallel)(*args)
-    grads = jax.jit(jax.grad(functools.partial(loss, parallel), argnums=(0, 1, 2)))(*args)
+    spec = PLACEMENTS[placement]
+    args = [x if spec is None else jax.device_put(x, NamedSharding(mesh, spec))
+            for x in (q, k, v)]
+    out, lse = wrap(parallel)(*args)
+    grads = wrap(jax.grad(functools.partial(loss, parallel), argnums=(0, 1, 2)))(*args)
   want_out, want_lse = attention(q, k, v)
   want_grads = jax.grad(functools.partial(loss, attention), argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-  assert out.sharding.is_equivalent_to(tokens, out.ndim)
+  assert out.sharding.spec[1] == "cp", out.sharding
+  if placement != "numpy":
+    assert out.sharding.spec[0] == "data", out.sharding
   for g, w in zip(grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("name", CASES)
+def test_context_parallel_equals_unsharded(strategy, name):
+  mesh = mesh_or_skip((2, 4), ("data", "cp"))
+  check_equals_unsharded(mesh, strategy, CASES[name], "sequence", jit=True)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_eager(strategy, axis_type, placement):
+  """Called outside jax.jit: the same values and gradients, whatever the inputs' sharding."""
+  mesh = mesh_or_skip((2, 4), ("data", "cp"), axis_type)
+  check_equals_unsharded(mesh, strategy, CASES["causal_sinks_softcap"], placement, jit=False)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_on_explicit_mesh_under_jit(strategy):
+  mesh = mesh_or_skip((2, 4), ("data", "cp"), "Explicit")
+  check_equals_unsharded(mesh, strategy, CASES["causal_window"], "batch", jit=True)
+
+
+def test_context_parallel_takes_the_mesh_of_sharded_inputs():
+  """Without jax.set_mesh, the mesh the inputs are sharded on names the axis."""
+  for axis_type in ("Auto", "Explicit"):
+    mesh = mesh_or_skip((2, 4), ("data", "cp"), axis_type)
+    q, k, v = inputs()
+    args = [jax.device_put(x, NamedSharding(mesh, P("data", "cp"))) for x in (q, k, v)]
+    call = functools.partial(cudnn_jax.sdpa, is_causal=True, implementation="xla")
+    want = call(q, k, v)
+    for wrap in (lambda f: f, jax.jit):
+      out = wrap(functools.partial(call, context_parallel_axis="cp"))(*args)
+      np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_context_parallel_declines_what_it_does_not_serve():
@@ -72,3 +114,5 @@ def test_context_parallel_declines_what_it_does_not_serve():
       call(q, k, v, context_parallel_axis="nope")
     with pytest.raises(ValueError, match="context_parallel_strategy"):
       call(q, k, v, context_parallel_strategy="tree")
+  with pytest.raises(ValueError, match="context_parallel_axis"):
+    call(q, k, v)  # no mesh anywhere

@@ -10,6 +10,9 @@ device holds more than one foreign shard at a time.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -18,13 +21,17 @@ from cudnn_jax.engines import UnsupportedError
 
 
 def _mesh_with(axis, query):
-  mesh = jax.typeof(query).sharding.mesh
-  if mesh.empty:
-    mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or axis not in mesh.axis_names:
-    raise ValueError(f"context_parallel_axis: {axis!r} is not an axis of the current mesh "
-                     "(set one with jax.set_mesh, or shard the inputs explicitly)")
-  return mesh
+  """The mesh that ``axis`` names: the one query is sharded on (explicitly, or as a
+  concrete array), else ``jax.set_mesh``'s."""
+  candidates = [jax.typeof(query).sharding.mesh, jax.sharding.get_abstract_mesh()]
+  sharding = getattr(query, "sharding", None)  # a concrete array: its devices
+  if not isinstance(query, jax.core.Tracer) and isinstance(sharding, jax.sharding.NamedSharding):
+    candidates.insert(0, sharding.mesh)
+  for mesh in candidates:
+    if not mesh.empty and axis in mesh.axis_names:
+      return mesh
+  raise ValueError(f"context_parallel_axis: {axis!r} is not an axis of the current mesh "
+                   "(set one with jax.set_mesh, or shard the inputs explicitly)")
 
 
 def _merge(out, lse, part_out, part_lse):
@@ -81,9 +88,44 @@ def sdpa_context_parallel(sdpa, query, key, value, *, axis, strategy, is_causal,
                      f"into {size} shards along {axis!r}")
   del right  # causal: keys past the query row are excluded anyway
 
+  options = (("scale", kwargs["scale"]), ("logits_soft_cap", kwargs["logits_soft_cap"]),
+             ("implementation", _hashable(kwargs["implementation"])))
+  with _current(mesh):
+    out, lse = _context_parallel(query, key, value, sinks, sdpa=sdpa, mesh=mesh, axis=axis,
+                                 strategy=strategy, is_causal=is_causal, left=left,
+                                 options=options)
+  return (out, lse) if return_lse else out
+
+
+def _current(mesh):
+  """``mesh`` as the current mesh where none is set (the inputs' explicit sharding named
+  it): shard_map and the resharding of explicit axes look there."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.set_mesh(mesh)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _hashable(implementation):
+  if implementation is None or isinstance(implementation, str):
+    return implementation
+  return tuple(implementation)
+
+
+# Under jit even when called eagerly: shard_map over some of a mesh's axes (the others
+# stay automatic) has no eager form, and one compiled program serves every call of a shape.
+@functools.partial(jax.jit, static_argnames=("sdpa", "mesh", "axis", "strategy", "is_causal",
+                                             "left", "options"))
+def _context_parallel(query, key, value, sinks, *, sdpa, mesh, axis, strategy, is_causal,
+                      left, options):
+  """(out, lse) of ``sdpa`` over the sequence shards of query, key and value along
+  ``axis``; ``options`` (scale, soft cap, implementation) pass through to each device's
+  call."""
+  size = mesh.shape[axis]
+
   def attend(q, k, v, **extra):
-    return sdpa(q, k, v, scale=kwargs["scale"], logits_soft_cap=kwargs["logits_soft_cap"],
-                implementation=kwargs["implementation"], return_lse=True, **extra)
+    return sdpa(q, k, v, return_lse=True, **dict(options), **extra)
 
   def local(q, k, v):
     if strategy == "ring":
@@ -105,8 +147,31 @@ def sdpa_context_parallel(sdpa, query, key, value, *, axis, strategy, is_causal,
     return out.astype(q.dtype), lse
 
   tokens, rows = P(None, axis), P(None, None, axis)
-  run = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens),
-                      out_specs=(tokens, rows), axis_names={axis}, check_vma=False)
-  out, lse = run(query, key, value)
-  return (out, lse) if return_lse else out
+
+  def run(mesh, *arrays):
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens),
+                         out_specs=(tokens, rows), axis_names={axis}, check_vma=False)(*arrays)
+
+  if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return run(mesh, query, key, value)
+  # Explicit axes: the shard_map runs on automatic ones (only there does JAX transpose its
+  # gathers, and the move of unsharded inputs onto the sequence shards). out and lse keep
+  # query's batch and head sharding and are sequence sharded along ``axis``.
+  batch, heads = (_without(d, axis) for d in _spec(query, 4)[::2])
+  on_auto_axes = jax.sharding.auto_axes(
+      lambda *a: run(jax.sharding.get_abstract_mesh(), *a),
+      out_sharding=(P(batch, axis, heads), P(batch, heads, axis)))
+  return on_auto_axes(query, key, value)
+
+
+def _spec(x, ndim):
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (ndim - len(spec))
+
+
+def _without(entry, axis):
+  """A PartitionSpec entry without mesh axis ``axis``."""
+  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  names = tuple(n for n in names if n != axis)
+  return None if not names else names[0] if len(names) == 1 else names
 
