@@ -57,3 +57,11 @@ def aot_kernels() -> tuple[str, ...]:
   """Names of the ahead-of-time compiled kernel variants in the extension (may be none)."""
   m = module()
   return () if m is None else tuple(m.aot_kernels())
+
+
+def handler_attributes() -> dict[str, tuple[str, ...]]:
+  """FFI target name -> the names of the attributes its handler takes (all of them, and no
+  other), for every target the extension registers; empty without the extension."""
+  m = module()
+  return {} if m is None else dict(m.handler_attributes())
+

@@ -215,7 +215,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxCuteGroupedGemm, cudnn_jax::cute_grouped_g
                                   .Arg<xla::ffi::AnyBuffer>()   // tile_starts
                                   .Arg<xla::ffi::AnyBuffer>()   // row_starts
                                   .Ret<xla::ffi::AnyBuffer>()   // out
-                                  .Attr<std::string_view>("epilogue"));
+                                  .Attr<std::string_view>(cudnn_jax::kCuteGroupedGemmEpilogue));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxCuteGroupedWgrad, cudnn_jax::cute_grouped_wgrad,
                               xla::ffi::Ffi::Bind()

@@ -4,6 +4,13 @@
 
 #include "xla/ffi/api/ffi.h"
 
+namespace cudnn_jax {
+
+// The one attribute of cudnn_jax_cute_grouped_gemm: the epilogue's name.
+inline constexpr char kCuteGroupedGemmEpilogue[] = "epilogue";
+
+}  // namespace cudnn_jax
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxAotAxpy);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxCuteGroupedGemm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxCuteGroupedWgrad);

@@ -1,10 +1,15 @@
-// The nanobind module cudnn_jax._ffi: handler registrations, support checks, plan-cache
-// counters and the cuDNN version. See README.md for the contract.
+// The nanobind module cudnn_jax._ffi: handler registrations and attributes, support
+// checks, plan-cache counters and the cuDNN version. See README.md for the contract.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <cstddef>
+#include <iterator>
+#include <limits>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "common/cudnn_runtime.h"
 #include "common/plan_cache.h"
@@ -19,23 +24,50 @@ namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule handler_capsule(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler takes a call frame");
-  return nb::capsule(reinterpret_cast<void*>(fn));
+// One FFI target of the extension: its name, its handler and the names of the attributes
+// the handler takes.
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* handler;
+  std::vector<const char*> attributes;
+};
+
+const std::vector<Target>& targets() {
+  static const std::vector<Target> all = {
+      {"cudnn_jax_sdpa_fwd", CudnnJaxSdpaFwd,
+       {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
+      {"cudnn_jax_sdpa_bwd", CudnnJaxSdpaBwd,
+       {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
+      {"cudnn_jax_grouped_matmul", CudnnJaxGroupedMatmul, {}},
+#ifdef CUDNN_JAX_HAVE_AOT_KERNELS
+      {"cudnn_jax_aot_axpy", CudnnJaxAotAxpy, {"alpha"}},
+      {"cudnn_jax_cute_grouped_gemm", CudnnJaxCuteGroupedGemm,
+       {cudnn_jax::kCuteGroupedGemmEpilogue}},
+      {"cudnn_jax_cute_grouped_wgrad", CudnnJaxCuteGroupedWgrad, {}},
+#endif
+  };
+  return all;
+}
+
+nb::tuple str_tuple(const char* const* names, size_t count) {
+  nb::tuple out = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(count)));
+  for (size_t i = 0; i < count; ++i) {
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), nb::str(names[i]).release().ptr());
+  }
+  return out;
 }
 
 nb::dict registrations() {
   nb::dict out;
-  out["cudnn_jax_sdpa_fwd"] = handler_capsule(CudnnJaxSdpaFwd);
-  out["cudnn_jax_sdpa_bwd"] = handler_capsule(CudnnJaxSdpaBwd);
-  out["cudnn_jax_grouped_matmul"] = handler_capsule(CudnnJaxGroupedMatmul);
-#ifdef CUDNN_JAX_HAVE_AOT_KERNELS
-  out["cudnn_jax_aot_axpy"] = handler_capsule(CudnnJaxAotAxpy);
-  out["cudnn_jax_cute_grouped_gemm"] = handler_capsule(CudnnJaxCuteGroupedGemm);
-  out["cudnn_jax_cute_grouped_wgrad"] = handler_capsule(CudnnJaxCuteGroupedWgrad);
-#endif
+  for (const Target& t : targets()) out[t.name] = nb::capsule(reinterpret_cast<void*>(t.handler));
+  return out;
+}
+
+nb::dict handler_attributes() {
+  nb::dict out;
+  for (const Target& t : targets()) {
+    out[t.name] = str_tuple(t.attributes.data(), t.attributes.size());
+  }
   return out;
 }
 
@@ -70,12 +102,12 @@ nb::handle entry(const nb::dict& d, const char* name) {
 }
 
 bool as_bool(const nb::dict& d, const char* name) {
-  int value = PyObject_IsTrue(entry(d, name).ptr());
-  if (value < 0) {
-    PyErr_Clear();
+  PyObject* value = entry(d, name).ptr();
+  const std::string_view type = Py_TYPE(value)->tp_name;
+  if (!PyBool_Check(value) && type != "numpy.bool" && type != "numpy.bool_") {
     wrong_type(name, "a bool");
   }
-  return value != 0;
+  return PyObject_IsTrue(value) == 1;
 }
 
 int64_t as_int(const nb::dict& d, const char* name) {
@@ -87,6 +119,14 @@ int64_t as_int(const nb::dict& d, const char* name) {
     wrong_type(name, "an int");
   }
   return value;
+}
+
+int32_t as_int32(const nb::dict& d, const char* name) {
+  int64_t value = as_int(d, name);
+  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
+    throw nb::value_error(("config['" + std::string(name) + "'] is out of int32 range").c_str());
+  }
+  return static_cast<int32_t>(value);
 }
 
 float as_float(const nb::dict& d, const char* name) {
@@ -111,9 +151,27 @@ xla::ffi::DataType parse_dtype(const std::string& name) {
   throw nb::value_error(("unknown dtype '" + name + "'").c_str());
 }
 
+// Reads the config dict's entry `name` as the attribute's type, for decode_sdpa_attributes;
+// a missing or mistyped entry raises (as the as_* readers do), so it returns "".
+struct ConfigEntry {
+  const nb::dict& d;
+  std::string operator()(const char* name, bool* out) const {
+    *out = as_bool(d, name);
+    return "";
+  }
+  std::string operator()(const char* name, int32_t* out) const {
+    *out = as_int32(d, name);
+    return "";
+  }
+  std::string operator()(const char* name, float* out) const {
+    *out = as_float(d, name);
+    return "";
+  }
+};
+
 cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
-  auto flag = [&](const char* name) { return d.contains(name) && as_bool(d, name); };
   cudnn_jax::SdpaConfig c;
+  cudnn_jax::decode_sdpa_attributes(ConfigEntry{d}, &c);
   c.backward = as_bool(d, "backward");
   c.dtype = parse_dtype(as_string(d, "dtype"));
   c.b = as_int(d, "b");
@@ -123,17 +181,6 @@ cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
   c.k = as_int(d, "k");
   c.h = as_int(d, "h");
   c.hv = as_int(d, "hv");
-  c.scale = as_float(d, "scale");
-  c.causal = flag("causal");
-  c.bottom_right = flag("bottom_right");
-  c.window_left = d.contains("window_left") ? static_cast<int32_t>(as_int(d, "window_left")) : -1;
-  c.window_right =
-      d.contains("window_right") ? static_cast<int32_t>(as_int(d, "window_right")) : -1;
-  c.softcap = d.contains("softcap") ? as_float(d, "softcap") : 0.f;
-  c.has_bias = flag("has_bias");
-  c.has_padding = flag("has_padding");
-  c.has_dbias = flag("has_dbias");
-  c.with_lse = !d.contains("with_lse") || as_bool(d, "with_lse");
   c.bias_b = c.has_bias ? as_int(d, "bias_b") : 0;
   c.bias_n = c.has_bias ? as_int(d, "bias_n") : 0;
   return c;
@@ -205,6 +252,9 @@ NB_MODULE(_ffi, m) {
   m.doc() = "XLA FFI handlers of cudnn_jax (cuDNN engines).";
   m.def("registrations", &registrations,
         "Handler name -> capsule, to register for platform 'CUDA'.");
+  m.def("handler_attributes", &handler_attributes,
+        "Handler name -> the names of the attributes it takes (every one, exactly), for each "
+        "target registrations() lists.");
   m.def("sdpa_check", &sdpa_check, nb::arg("config"),
         "'' when cuDNN can serve this SDPA configuration on the current device, else why "
         "not. Builds and caches the plan.");

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/attributes.h"
 #include "common/buffers.h"
 #include "common/cudnn_runtime.h"
 #include "common/errors.h"
@@ -36,11 +37,14 @@ enum Uid : int64_t {
 
 const char* op_name(const SdpaConfig& c) { return c.backward ? "sdpa_bwd" : "sdpa_fwd"; }
 
-std::string float_key(float x) {
+// An attribute's value in a cache key (a float by its bits).
+std::string key_text(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
   return std::to_string(bits);
 }
+std::string key_text(bool x) { return x ? "1" : "0"; }
+std::string key_text(int32_t x) { return std::to_string(x); }
 
 std::string cache_key(const SdpaConfig& c, int device) {
   std::string key = std::string(op_name(c)) + "|dev" + std::to_string(device) + "|" +
@@ -48,11 +52,7 @@ std::string cache_key(const SdpaConfig& c, int device) {
   for (int64_t d : {c.b, c.t, c.s, c.n, c.k, c.h, c.hv, c.bias_b, c.bias_n}) {
     key += "|" + std::to_string(d);
   }
-  key += "|" + float_key(c.scale) + "|" + float_key(c.softcap);
-  key += "|" + std::to_string(c.window_left) + "|" + std::to_string(c.window_right);
-  for (bool f : {c.causal, c.bottom_right, c.has_bias, c.has_padding, c.has_dbias, c.with_lse}) {
-    key += f ? "|1" : "|0";
-  }
+  visit_sdpa_attributes(c, [&](const char*, const auto& value) { key += "|" + key_text(value); });
   return key;
 }
 
@@ -67,7 +67,7 @@ std::string config_error(const SdpaConfig& c) {
   if (c.n % c.k != 0) return "heads: query heads must be a multiple of key/value heads";
   if (c.has_bias && (c.bias_b != 1 && c.bias_b != c.b)) return "bias: batch extent must be 1 or B";
   if (c.has_bias && (c.bias_n != 1 && c.bias_n != c.n)) return "bias: head extent must be 1 or N";
-  if (c.has_dbias && !(c.backward && c.has_bias)) return "dbias: needs a bias, backward only";
+  if (c.has_dbias && !c.has_bias) return "dbias: needs a bias";
   if (c.window_left < -1 || c.window_right < -1) return "window: bounds are >= 0, or -1";
   if (c.softcap < 0.f) return "logits_soft_cap: must be positive";
   if (c.softcap > 0.f && c.has_bias) {
@@ -293,9 +293,17 @@ std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHa
   return plan;
 }
 
-// Finds or builds the plan of `c` on `device`; on failure returns null with *error set.
-std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& c, int device, DeviceHandle** handle,
-                                     std::string* error) {
+// Finds or builds the plan of `requested` on `device`; on failure returns null with *error
+// set. The forward ignores has_dbias and the backward with_lse (it always reads lse), so
+// neither tells that direction's plans apart.
+std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& requested, int device,
+                                     DeviceHandle** handle, std::string* error) {
+  SdpaConfig c = requested;
+  if (c.backward) {
+    c.with_lse = true;
+  } else {
+    c.has_dbias = false;
+  }
   return find_plan(op_name(c), cache_key(c, device), device, handle,
                    [&](DeviceHandle& h) { return build_plan(c, device, h); }, error);
 }
@@ -396,35 +404,33 @@ ffi::Error prepare(const SdpaConfig& c, cudaStream_t stream, std::shared_ptr<Cac
 
 // ---- handlers ----------------------------------------------------------------------
 
-// The handler attributes as a configuration; shapes are filled in from the buffers.
-SdpaConfig from_attributes(bool backward, float scale, bool causal, bool bottom_right,
-                           int32_t window_left, int32_t window_right, float softcap,
-                           bool has_bias, bool has_padding, bool has_dbias) {
-  SdpaConfig c;
-  c.backward = backward;
-  c.scale = scale, c.causal = causal, c.bottom_right = bottom_right;
-  c.window_left = window_left, c.window_right = window_right, c.softcap = softcap;
-  c.has_bias = has_bias, c.has_padding = has_padding, c.has_dbias = has_dbias;
-  return c;
+// The handler attributes (every one of CUDNN_JAX_SDPA_ATTRIBUTES, nothing else) into `c`;
+// "" or what is wrong with them.
+std::string decode_attributes(const ffi::Dictionary& attrs, SdpaConfig* c) {
+  std::string err = unexpected_attribute(attrs, kSdpaAttributeNames);
+  if (err.empty()) {
+    err = decode_sdpa_attributes(
+        [&](const char* name, auto* field) { return get_attribute(attrs, name, field); }, c);
+  }
+  return err;
 }
-
 
 ffi::Error sdpa_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets, float scale,
-                    bool causal, bool bottom_right, int32_t window_left, int32_t window_right,
-                    float softcap, bool has_bias, bool has_padding, bool with_lse) {
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets,
+                    ffi::Dictionary attrs) {
   return guarded("sdpa_fwd", [&]() -> ffi::Error {
-    SdpaConfig c = from_attributes(false, scale, causal, bottom_right, window_left,
-                                   window_right, softcap, has_bias, has_padding, false);
-    c.with_lse = with_lse;
+    SdpaConfig c;
+    if (std::string err = decode_attributes(attrs, &c); !err.empty()) {
+      return invalid_argument(stage_message("sdpa_fwd", "attributes", err));
+    }
 
     Optionals opt;
     std::optional<ffi::AnyBuffer> lse;
-    std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
+    std::string err = decode_optionals(rest, c.has_bias, c.has_padding, &opt);
     if (err.empty()) err = shapes_from(q, k, v, opt, &c);
     if (err.empty()) err = expect("out", *out, c.dtype, {c.b, c.t, c.n, c.hv});
-    if (err.empty()) err = trailing_result(rest_rets, with_lse, "lse", &lse);
+    if (err.empty()) err = trailing_result(rest_rets, c.with_lse, "lse", &lse);
     if (err.empty() && lse) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
     if (!err.empty()) return invalid_argument(stage_message("sdpa_fwd", "arguments", err));
 
@@ -439,7 +445,9 @@ ffi::Error sdpa_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     if (lse) tensors[kStats] = lse->untyped_data();
     bind_optionals(opt, tensors);
     // Rows past the valid lengths are not written by cuDNN.
-    if (ffi::Error e = prefill(stream, "sdpa_fwd", has_padding, {&*out}); e.failure()) return e;
+    if (ffi::Error e = prefill(stream, "sdpa_fwd", c.has_padding, {&*out}); e.failure()) {
+      return e;
+    }
     if (lse) {
       if (ffi::Error e = prefill(stream, "sdpa_fwd", false, {&*lse}); e.failure()) return e;
     }
@@ -451,16 +459,18 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                     ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets, float scale, bool causal, bool bottom_right,
-                    int32_t window_left, int32_t window_right, float softcap, bool has_bias,
-                    bool has_padding, bool has_dbias) {
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets rest_rets,
+                    ffi::Dictionary attrs) {
   return guarded("sdpa_bwd", [&]() -> ffi::Error {
-    SdpaConfig c = from_attributes(true, scale, causal, bottom_right, window_left,
-                                   window_right, softcap, has_bias, has_padding, has_dbias);
+    SdpaConfig c;
+    c.backward = true;
+    if (std::string err = decode_attributes(attrs, &c); !err.empty()) {
+      return invalid_argument(stage_message("sdpa_bwd", "attributes", err));
+    }
 
     Optionals opt;
     std::optional<ffi::AnyBuffer> dbias;
-    std::string err = decode_optionals(rest, has_bias, has_padding, &opt);
+    std::string err = decode_optionals(rest, c.has_bias, c.has_padding, &opt);
     if (err.empty()) err = shapes_from(q, k, v, opt, &c);
     if (err.empty()) err = expect("out", out, c.dtype, {c.b, c.t, c.n, c.hv});
     if (err.empty()) err = expect("dout", dout, c.dtype, {c.b, c.t, c.n, c.hv});
@@ -468,7 +478,7 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     if (err.empty()) err = expect("dq", *dq, c.dtype, {c.b, c.t, c.n, c.h});
     if (err.empty()) err = expect("dk", *dk, c.dtype, {c.b, c.s, c.k, c.h});
     if (err.empty()) err = expect("dv", *dv, c.dtype, {c.b, c.s, c.k, c.hv});
-    if (err.empty()) err = trailing_result(rest_rets, has_dbias, "dbias", &dbias);
+    if (err.empty()) err = trailing_result(rest_rets, c.has_dbias, "dbias", &dbias);
     if (err.empty() && dbias) {
       err = expect("dbias", *dbias, c.dtype, {c.bias_b, c.bias_n, c.t, c.s});
     }
@@ -485,7 +495,7 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     };
     bind_optionals(opt, tensors);
     if (dbias) tensors[kDBias] = dbias->untyped_data();
-    ffi::Error e = prefill(stream, "sdpa_bwd", has_padding,
+    ffi::Error e = prefill(stream, "sdpa_bwd", c.has_padding,
                            {&*dq, &*dk, &*dv, dbias ? &*dbias : nullptr});
     if (e.failure()) return e;
     return run_plan(*plan, *handle, stream, workspace_of(*workspace), tensors, "sdpa_bwd");
@@ -496,11 +506,9 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 namespace {
 
-// The cached plan of `requested` on the current device (built on a miss), or null with
+// The cached plan of `config` on the current device (built on a miss), or null with
 // *error saying why cuDNN cannot serve it.
-std::shared_ptr<CachedPlan> checked_plan(const SdpaConfig& requested, std::string* error) {
-  SdpaConfig config = requested;
-  config.has_dbias = config.backward && config.has_dbias;  // the forward has no dbias
+std::shared_ptr<CachedPlan> checked_plan(const SdpaConfig& config, std::string* error) {
   int device = current_device(error);
   if (device < 0) {
     *error = stage_message(op_name(config), "device", *error);
@@ -530,26 +538,8 @@ int64_t sdpa_workspace(const SdpaConfig& config, std::string* error) {
 namespace ffi = xla::ffi;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
-namespace {
-
-// The attributes both handlers take, in the order of their parameters.
-template <typename Binding>
-auto with_sdpa_attributes(Binding binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<bool>("causal")
-      .template Attr<bool>("bottom_right")
-      .template Attr<int32_t>("window_left")
-      .template Attr<int32_t>("window_right")
-      .template Attr<float>("softcap")
-      .template Attr<bool>("has_bias")
-      .template Attr<bool>("has_padding");
-}
-
-}  // namespace
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
-                              with_sdpa_attributes(ffi::Ffi::Bind()
+                              ffi::Ffi::Bind()
                                   .Ctx<Stream>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
@@ -557,12 +547,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaFwd, cudnn_jax::sdpa_fwd,
                                   .RemainingArgs()        // [bias], [q_lens, kv_lens]
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
-                                  .RemainingRets())       // [lse]
-                                  .Attr<bool>("with_lse"),
+                                  .RemainingRets()        // [lse]
+                                  .Attrs(),               // CUDNN_JAX_SDPA_ATTRIBUTES
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
-                              with_sdpa_attributes(ffi::Ffi::Bind()
+                              ffi::Ffi::Bind()
                                   .Ctx<Stream>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
@@ -575,6 +565,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnJaxSdpaBwd, cudnn_jax::sdpa_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // workspace (u8)
-                                  .RemainingRets())  // [dbias]
-                                  .Attr<bool>("has_dbias"),
+                                  .RemainingRets()        // [dbias]
+                                  .Attrs(),               // CUDNN_JAX_SDPA_ATTRIBUTES
                               {ffi::Traits::kCmdBufferCompatible});
