@@ -65,3 +65,13 @@ def handler_attributes() -> dict[str, tuple[str, ...]]:
   m = module()
   return {} if m is None else dict(m.handler_attributes())
 
+
+def kernel_constants() -> dict[str, dict[str, int | tuple[str, ...]]] | None:
+  """The constants of the ahead-of-time kernels (kernels/aot.py ``CONSTANTS``) the
+  extension was built with, by kernel: ``{"grouped_gemm": {"tile_m": 128, "tile_n": 256,
+  "glu_tile_n": 128, "max_groups": 65536, "epilogues": ("none", ...), "glu_epilogues":
+  ("swiglu", ...)}}``, also when the kernels themselves were not linked in; None without
+  the extension."""
+  m = module()
+  return None if m is None else {kernel: dict(values)
+                                 for kernel, values in m.kernel_constants().items()}

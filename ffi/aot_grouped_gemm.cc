@@ -3,10 +3,12 @@
 // the device).
 //
 //   lhs [M,K], rhs [G,K,C] (as stored: C fastest), bias [G,C] float32, tile_starts [G+1]
-//   int32, row_starts [G+1] int32 (exclusive cumulative sums of ceil(size/128) and of the
-//   sizes, clamped to M)  ->  out [M,N], lhs's dtype; C = N, or 2N for a GLU.
+//   int32, row_starts [G+1] int32 (exclusive cumulative sums of ceil(size/tile_m) and of
+//   the sizes, clamped to M)  ->  out [M,N], lhs's dtype; C = N, or 2N for a GLU.
 //   Attribute epilogue: "none", an activation or a GLU (the kernel's EPILOGUES).
-// Rows past row_starts[G] are set to zero by the kernel.
+// Rows past row_starts[G] are set to zero by the kernel. The kernel's constants (tile_m,
+// the tile widths, max_groups, the epilogue names) come from kernel_constants.h, which the
+// build generates from kernels/grouped_gemm_sm90.py.
 //
 // cudnn_jax_cute_grouped_wgrad: its weight gradient on kernels/grouped_wgrad_sm90.py.
 //   lhs [M,K], ct [M,N] (lhs's dtype), row_starts [G+1] int32  ->  out [G,K,N] float32,
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -26,10 +29,13 @@
 #include "common/buffers.h"
 #include "common/errors.h"
 #include "common/graph_utils.h"
+#include "kernel_constants.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace cudnn_jax {
 namespace {
+
+namespace kernel = kernel_constants::grouped_gemm;
 
 constexpr const char* kOp = "cute_grouped_gemm";
 
@@ -41,16 +47,20 @@ struct Call {
   int32_t ctas;  // persistent CTAs
 };
 
-constexpr int64_t kTileM = 128, kTileN = 256, kGluTileN = 128;  // the kernel's tiles
-
-// One CTA per SM, fewer when even the largest split has fewer tiles.
-int32_t persistent_ctas(int64_t m, int64_t n, int64_t groups, bool glu) {
-  const int64_t tile_n = glu ? kGluTileN : kTileN;
-  const int64_t tiles = ((m + kTileM - 1) / kTileM + groups) * ((n + tile_n - 1) / tile_n);
+// Persistent CTAs: one per SM of the current device, fewer when even the largest split
+// has fewer tiles; -1 with *error set when CUDA cannot say how many SMs there are.
+int32_t persistent_ctas(int64_t m, int64_t n, int64_t groups, bool glu, std::string* error) {
+  const int64_t tile_n = glu ? kernel::glu_tile_n : kernel::tile_n;
+  const int64_t tiles =
+      ((m + kernel::tile_m - 1) / kernel::tile_m + groups) * ((n + tile_n - 1) / tile_n);
   int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    sms = 132;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status == cudaSuccess) {
+    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (status != cudaSuccess) {
+    *error = cudaGetErrorString(status);
+    return -1;
   }
   return static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(tiles, sms)));
 }
@@ -97,52 +107,58 @@ const Variant* find_variant(const std::string& name) {
 }
 
 bool is_glu(std::string_view epilogue) {
-  return epilogue == "swiglu" || epilogue == "geglu" || epilogue == "reglu";
+  return std::any_of(std::begin(kernel::glu_epilogues), std::end(kernel::glu_epilogues),
+                     [&](const char* glu) { return epilogue == glu; });
 }
 
 ffi::Error cute_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                              ffi::AnyBuffer bias, ffi::AnyBuffer tile_starts,
                              ffi::AnyBuffer row_starts, ffi::Result<ffi::AnyBuffer> out,
                              std::string_view epilogue) {
-  auto ld = lhs.dimensions(), rd = rhs.dimensions();
-  if (ld.size() != 2 || rd.size() != 3) {
-    return invalid_argument(stage_message(kOp, "arguments", "lhs [M,K], rhs [G,K,C]"));
-  }
-  const int64_t m = ld[0], k = ld[1], groups = rd[0], columns = rd[2];
-  const int64_t n = is_glu(epilogue) ? columns / 2 : columns;
-  const ffi::DataType dtype = lhs.element_type();
-  const char* dtype_name = dtype == ffi::DataType::BF16  ? "bf16"
-                           : dtype == ffi::DataType::F16 ? "f16"
-                                                         : nullptr;
-  const Variant* variant = nullptr;
-  std::string err;
-  if (dtype_name == nullptr) {
-    err = "dtype: bf16 or f16 only";
-  } else if (!(variant = find_variant(std::string("grouped_gemm_") + dtype_name + "_" +
-                                      std::string(epilogue)))) {
-    err = "epilogue: no kernel variant for " + std::string(epilogue);
-  }
-  if (err.empty()) err = expect("rhs", rhs, dtype, {groups, k, columns});
-  if (err.empty()) err = expect("bias", bias, ffi::DataType::F32, {groups, columns});
-  if (err.empty()) err = expect("tile_starts", tile_starts, ffi::DataType::S32, {groups + 1});
-  if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
-  if (err.empty()) err = expect("out", *out, dtype, {m, n});
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (err.empty() && (m > kMax || k > kMax || columns > kMax || groups >= kMax)) {
-    err = "dimensions past 2^31-1";
-  }
-  if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
-  if (!err.empty()) return invalid_argument(stage_message(kOp, "arguments", err));
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (poison_outputs()) {
-    ffi::Error e = fill_bytes(stream, kOp, 0xFF, out->untyped_data(), out->size_bytes());
-    if (e.failure()) return e;
-  }
-  return variant->run(Call{stream, lhs, rhs, bias, tile_starts, row_starts, out,
-                           static_cast<int32_t>(m), static_cast<int32_t>(k),
-                           static_cast<int32_t>(n), static_cast<int32_t>(columns),
-                           static_cast<int32_t>(groups),
-                           persistent_ctas(m, n, groups, is_glu(epilogue))});
+  return guarded(kOp, [&]() -> ffi::Error {
+    auto ld = lhs.dimensions(), rd = rhs.dimensions();
+    if (ld.size() != 2 || rd.size() != 3) {
+      return invalid_argument(stage_message(kOp, "arguments", "lhs [M,K], rhs [G,K,C]"));
+    }
+    const int64_t m = ld[0], k = ld[1], groups = rd[0], columns = rd[2];
+    const int64_t n = is_glu(epilogue) ? columns / 2 : columns;
+    const ffi::DataType dtype = lhs.element_type();
+    const char* dtype_name = dtype == ffi::DataType::BF16  ? "bf16"
+                             : dtype == ffi::DataType::F16 ? "f16"
+                                                           : nullptr;
+    const Variant* variant = nullptr;
+    std::string err;
+    if (dtype_name == nullptr) {
+      err = "dtype: bf16 or f16 only";
+    } else if (!(variant = find_variant(std::string("grouped_gemm_") + dtype_name + "_" +
+                                        std::string(epilogue)))) {
+      err = "epilogue: no kernel variant for " + std::string(epilogue);
+    }
+    if (err.empty()) err = expect("rhs", rhs, dtype, {groups, k, columns});
+    if (err.empty()) err = expect("bias", bias, ffi::DataType::F32, {groups, columns});
+    if (err.empty()) err = expect("tile_starts", tile_starts, ffi::DataType::S32, {groups + 1});
+    if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
+    if (err.empty()) err = expect("out", *out, dtype, {m, n});
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    if (err.empty() && (m > kMax || k > kMax || columns > kMax)) err = "dimensions past 2^31-1";
+    if (err.empty() && groups > kernel::max_groups) {
+      err = "groups: the kernel takes at most " + std::to_string(kernel::max_groups) + ", got " +
+            std::to_string(groups);
+    }
+    if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
+    if (!err.empty()) return invalid_argument(stage_message(kOp, "arguments", err));
+    if (m == 0 || n == 0) return ffi::Error::Success();
+    const int32_t ctas = persistent_ctas(m, n, groups, is_glu(epilogue), &err);
+    if (ctas < 0) return internal_error(stage_message(kOp, "device", err));
+    if (poison_outputs()) {
+      ffi::Error e = fill_bytes(stream, kOp, 0xFF, out->untyped_data(), out->size_bytes());
+      if (e.failure()) return e;
+    }
+    return variant->run(Call{stream, lhs, rhs, bias, tile_starts, row_starts, out,
+                             static_cast<int32_t>(m), static_cast<int32_t>(k),
+                             static_cast<int32_t>(n), static_cast<int32_t>(columns),
+                             static_cast<int32_t>(groups), ctas});
+  });
 }
 
 // The weight gradient.
@@ -167,40 +183,42 @@ ffi::Error launch_wgrad(int32_t (*wrapper)(Module*, Lhs*, Ct*, Out*, Rows*, cuda
 ffi::Error cute_grouped_wgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer ct,
                               ffi::AnyBuffer row_starts, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kWgrad = "cute_grouped_wgrad";
-  auto ld = lhs.dimensions(), cd = ct.dimensions(), od = out->dimensions();
-  if (ld.size() != 2 || cd.size() != 2 || od.size() != 3) {
-    return invalid_argument(
-        stage_message(kWgrad, "arguments", "lhs [M,K], ct [M,N], out [G,K,N]"));
-  }
-  const int64_t m = ld[0], k = ld[1], n = cd[1], groups = od[0];
-  const ffi::DataType dtype = lhs.element_type();
-  std::string err = expect("ct", ct, dtype, {m, n});
-  if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
-  if (err.empty()) err = expect("out", *out, ffi::DataType::F32, {groups, k, n});
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (err.empty() && (m > kMax || k > kMax || n > kMax || groups >= kMax)) {
-    err = "dimensions past 2^31-1";
-  }
-  if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
-  if (!err.empty()) return invalid_argument(stage_message(kWgrad, "arguments", err));
-  if (groups == 0 || k == 0 || n == 0) return ffi::Error::Success();
-  if (poison_outputs()) {
-    ffi::Error e = fill_bytes(stream, kWgrad, 0xFF, out->untyped_data(), out->size_bytes());
-    if (e.failure()) return e;
-  }
-  const auto run = [&](auto wrapper, auto load) {
-    return launch_wgrad(wrapper, load, stream, lhs, ct, row_starts, *out,
-                        static_cast<int32_t>(m), static_cast<int32_t>(k),
-                        static_cast<int32_t>(n), static_cast<int32_t>(groups));
-  };
-  switch (dtype) {
-    case ffi::DataType::BF16:
-      return run(cute_dsl_grouped_wgrad_bf16_wrapper, grouped_wgrad_bf16_Kernel_Module_Load);
-    case ffi::DataType::F16:
-      return run(cute_dsl_grouped_wgrad_f16_wrapper, grouped_wgrad_f16_Kernel_Module_Load);
-    default:
-      return invalid_argument(stage_message(kWgrad, "arguments", "dtype: bf16 or f16 only"));
-  }
+  return guarded(kWgrad, [&]() -> ffi::Error {
+    auto ld = lhs.dimensions(), cd = ct.dimensions(), od = out->dimensions();
+    if (ld.size() != 2 || cd.size() != 2 || od.size() != 3) {
+      return invalid_argument(
+          stage_message(kWgrad, "arguments", "lhs [M,K], ct [M,N], out [G,K,N]"));
+    }
+    const int64_t m = ld[0], k = ld[1], n = cd[1], groups = od[0];
+    const ffi::DataType dtype = lhs.element_type();
+    std::string err = expect("ct", ct, dtype, {m, n});
+    if (err.empty()) err = expect("row_starts", row_starts, ffi::DataType::S32, {groups + 1});
+    if (err.empty()) err = expect("out", *out, ffi::DataType::F32, {groups, k, n});
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    if (err.empty() && (m > kMax || k > kMax || n > kMax || groups >= kMax)) {
+      err = "dimensions past 2^31-1";
+    }
+    if (err.empty() && (k % 8 || n % 8)) err = "K and N must be multiples of 8 (16-byte rows)";
+    if (!err.empty()) return invalid_argument(stage_message(kWgrad, "arguments", err));
+    if (groups == 0 || k == 0 || n == 0) return ffi::Error::Success();
+    if (poison_outputs()) {
+      ffi::Error e = fill_bytes(stream, kWgrad, 0xFF, out->untyped_data(), out->size_bytes());
+      if (e.failure()) return e;
+    }
+    const auto run = [&](auto wrapper, auto load) {
+      return launch_wgrad(wrapper, load, stream, lhs, ct, row_starts, *out,
+                          static_cast<int32_t>(m), static_cast<int32_t>(k),
+                          static_cast<int32_t>(n), static_cast<int32_t>(groups));
+    };
+    switch (dtype) {
+      case ffi::DataType::BF16:
+        return run(cute_dsl_grouped_wgrad_bf16_wrapper, grouped_wgrad_bf16_Kernel_Module_Load);
+      case ffi::DataType::F16:
+        return run(cute_dsl_grouped_wgrad_f16_wrapper, grouped_wgrad_f16_Kernel_Module_Load);
+      default:
+        return invalid_argument(stage_message(kWgrad, "arguments", "dtype: bf16 or f16 only"));
+    }
+  });
 }
 
 }  // namespace

@@ -6,11 +6,11 @@
 
 namespace cudnn_jax {
 
-// The one attribute of cudnn_jax_cute_grouped_gemm: the epilogue's name.
+// The one attribute of cudnn_jax_cute_grouped_gemm: the epilogue's name, one of
+// kernel_constants::grouped_gemm::epilogues.
 inline constexpr char kCuteGroupedGemmEpilogue[] = "epilogue";
 
 }  // namespace cudnn_jax
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxAotAxpy);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxCuteGroupedGemm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudnnJaxCuteGroupedWgrad);

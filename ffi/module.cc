@@ -1,5 +1,6 @@
 // The nanobind module cudnn_jax._ffi: handler registrations and attributes, support
-// checks, plan-cache counters and the cuDNN version. See README.md for the contract.
+// checks, plan-cache counters, the kernels' constants and the cuDNN version. See README.md
+// for the contract.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -14,6 +15,7 @@
 #include "common/cudnn_runtime.h"
 #include "common/plan_cache.h"
 #include "grouped_matmul_cudnn.h"
+#include "kernel_constants.h"
 #include "sdpa_cudnn.h"
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
 #include "aot_kernels_ffi.h"
@@ -40,7 +42,6 @@ const std::vector<Target>& targets() {
        {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
       {"cudnn_jax_grouped_matmul", CudnnJaxGroupedMatmul, {}},
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
-      {"cudnn_jax_aot_axpy", CudnnJaxAotAxpy, {"alpha"}},
       {"cudnn_jax_cute_grouped_gemm", CudnnJaxCuteGroupedGemm,
        {cudnn_jax::kCuteGroupedGemmEpilogue}},
       {"cudnn_jax_cute_grouped_wgrad", CudnnJaxCuteGroupedWgrad, {}},
@@ -68,6 +69,27 @@ nb::dict handler_attributes() {
   for (const Target& t : targets()) {
     out[t.name] = str_tuple(t.attributes.data(), t.attributes.size());
   }
+  return out;
+}
+
+// The constants of kernel_constants.h (kernels/aot.py), by kernel and name.
+nb::object constant(int64_t value) { return nb::int_(value); }
+
+template <size_t N>
+nb::object constant(const char* const (&names)[N]) {
+  return str_tuple(names, N);
+}
+
+nb::dict kernel_constants() {
+  nb::dict out;
+  auto section = [&](const char* kernel) {
+    if (!out.contains(kernel)) out[kernel] = nb::dict();
+    return nb::borrow<nb::dict>(out[kernel]);
+  };
+#define CUDNN_JAX_CONSTANT(kernel, name) \
+  section(#kernel)[#name] = constant(cudnn_jax::kernel_constants::kernel::name);
+  CUDNN_JAX_KERNEL_CONSTANTS(CUDNN_JAX_CONSTANT)
+#undef CUDNN_JAX_CONSTANT
   return out;
 }
 
@@ -249,12 +271,15 @@ nb::dict cache_info() {
 }  // namespace
 
 NB_MODULE(_ffi, m) {
-  m.doc() = "XLA FFI handlers of cudnn_jax (cuDNN engines).";
+  m.doc() = "XLA FFI handlers of cudnn_jax (cuDNN and ahead-of-time kernel engines).";
   m.def("registrations", &registrations,
         "Handler name -> capsule, to register for platform 'CUDA'.");
   m.def("handler_attributes", &handler_attributes,
         "Handler name -> the names of the attributes it takes (every one, exactly), for each "
         "target registrations() lists.");
+  m.def("kernel_constants", &kernel_constants,
+        "The constants the kernels and their handlers were built with, by kernel: "
+        "{'grouped_gemm': {'tile_m': 128, 'epilogues': ('none', ...), ...}}.");
   m.def("sdpa_check", &sdpa_check, nb::arg("config"),
         "'' when cuDNN can serve this SDPA configuration on the current device, else why "
         "not. Builds and caches the plan.");

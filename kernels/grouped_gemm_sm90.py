@@ -37,6 +37,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
 TILE_M, TILE_N = 128, 256  # TILE_N: the B columns a tile multiplies (2 x 128 for a GLU)
+GLU_TILE_N = TILE_N // 2  # the output columns of a GLU tile (its B tile: gate and up halves)
 THREADS = 384  # warpgroup 0 loads; warpgroups 1 and 2 multiply, 64 rows each
 MMA_WARPS = 8
 ZERO_WARPS = 3  # warps 1-3: zeros past the last group
@@ -57,7 +58,8 @@ BAND_ROWS = 16  # row tiles per band at most
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "srelu")  # as cudnn_jax.epilogue
 GLU_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
-EPILOGUES = ("none",) + ACTIVATIONS + tuple(GLU_ACTIVATION)
+GLU_EPILOGUES = tuple(GLU_ACTIVATION)
+EPILOGUES = ("none",) + ACTIVATIONS + GLU_EPILOGUES
 
 
 def _activate(x, name):
@@ -181,7 +183,7 @@ class GroupedGemm(WarpSpecializedSm90):
     self.dtype = dtype
     self.acc_dtype = cutlass.Float32
     self.epilogue = epilogue
-    self.glu = epilogue in GLU_ACTIVATION
+    self.glu = epilogue in GLU_EPILOGUES
     self.activation = GLU_ACTIVATION.get(epilogue, None if epilogue == "none" else epilogue)
     self.halves = 2 if self.glu else 1  # B column blocks per tile: gate and up for a GLU
 
