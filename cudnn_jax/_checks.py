@@ -77,3 +77,9 @@ def dtype_arg(name, value, allowed):
     names = ", ".join(jnp.dtype(d).name for d in allowed)
     raise TypeError(f"{name}: expected one of ({names}), got {dtype.name}")
   return dtype
+
+
+def arrays(*xs):
+  """Validated array arguments as JAX arrays (NumPy arrays too, so that a constant captured
+  by jit is indexed and sharded like any other input); None stays None."""
+  return tuple(None if x is None else jnp.asarray(x) for x in xs)

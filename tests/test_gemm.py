@@ -284,7 +284,7 @@ GEMM_BAD = [
     ("glu_and_activation", dict(glu="swiglu", activation="relu"), ValueError, "activation"),
     ("out_dtype", dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
     ("out_dtype_junk", dict(out_dtype="fast"), TypeError, "out_dtype"),
-    ("implementation", dict(implementation="triton"), ValueError, "implementation"),
+    ("implementation", dict(implementation="pallas"), ValueError, "implementation"),
 ]
 
 
@@ -353,13 +353,11 @@ def test_explain_with_shape_structs():
 @pytest.mark.parametrize("engine", ["cudnn", "cute"])
 @pytest.mark.parametrize("glu,activation,with_bias", [
     ("swiglu", None, True), (None, "gelu_tanh", True), (None, None, False)])
-def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, glu, activation,
-                                             with_bias):
-  """A GPU engine's wiring (weight layouts, offsets, epilogue, masked tail, VJP) with its
-  FFI call replaced by an emulation, against the xla engine: the value alone (the cute
-  engine's fused epilogue) and under differentiation."""
+def test_grouped_gemm_gpu_engine_python_side(engine, glu, activation, with_bias):
+  """A GPU engine's wiring (weight layouts, offsets, epilogue, masked tail, VJP) on its
+  primitives' CPU emulation of the handlers, against the xla engine: the value alone (the
+  cute engine's fused epilogue) and under differentiation."""
   from cudnn_jax.ops import gemm as gemm_module
-  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   run = gemm_module.grouped_gemms[engine]
   from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   lhs, rhs, sizes, bias = grouped_case(jnp.float32, glu, [3, 0, 4], m=9, k=6, n=5)
@@ -378,11 +376,10 @@ def test_grouped_gemm_gpu_engine_python_side(monkeypatch, engine, glu, activatio
 
 
 @pytest.mark.parametrize("glu", [None, "swiglu"])
-def test_gemm_cute_engine_python_side(monkeypatch, glu):
-  """gemm's cute engine (one group on the grouped kernel) with the FFI call emulated,
+def test_gemm_cute_engine_python_side(glu):
+  """gemm's cute engine (one group on the grouped kernel) on the handler's CPU emulation,
   against the xla engine: batch dims, bias, epilogue, amax, gradients."""
   from cudnn_jax.ops import gemm as gemm_module
-  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
   a, b, bias = gemm_case(jnp.float32, glu, batch=(2, 3), m=5, k=16, n=8)
   call, inputs = gemm_module._prepare_gemm(  # pylint: disable=protected-access
       a, b, bias=bias, glu=glu, activation=None if glu else "gelu", return_amax=True)

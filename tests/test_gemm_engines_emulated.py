@@ -1,9 +1,9 @@
-"""The GPU engines of grouped_gemm, gemm and moe_mlp with their kernels emulated in JAX.
+"""The GPU engines of grouped_gemm, gemm and moe_mlp on the CPU, against the xla engine.
 
-Everything those engines do in JAX around their FFI calls (group tables, the custom VJPs,
-the fused/unfused split, routing) runs here on the CPU, against the xla engine. The
-emulated kernels (gemm_oracle) follow the handlers' contracts: the cute kernel writes zeros
-past the last group; cuDNN's node leaves those rows to the caller.
+Off the GPU their primitives (cudnn_jax/primitives/grouped_gemm.py) lower to the handlers'
+contracts in plain JAX, so everything the engines do around the FFI calls (the batch's
+regrouping, the custom VJPs, the fused/unfused split, routing) runs here, engine choice
+forced past the support checks (which decline without a GPU).
 """
 
 
@@ -22,9 +22,8 @@ from cudnn_jax.ops import moe as moe_module
 
 @pytest.fixture
 def emulated(monkeypatch):
-  """The kernels emulated, and ``force(op, name)``: engine ``name`` serves ``op`` from then
-  on, its support check (which declines without a GPU) skipped."""
-  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
+  """``force(op, name)``: engine ``name`` serves ``op`` from then on, its support check
+  (which declines without a GPU) skipped."""
   original = engines.choose
 
   def force(op, name):
@@ -92,9 +91,10 @@ def test_moe_mlp_engine_matches_xla(emulated, engine):
 
 
 def test_cudnn_ffi_call_takes_a_workspace_result(monkeypatch):
-  """The cuDNN handler's workspace is an extra u8 result sized by the extension; the call
-  hands back the product alone."""
+  """The cuDNN handler's workspace is an extra u8 result sized by the extension for the
+  call's (regrouped) shapes; the call hands back the product alone."""
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.primitives import grouped_gemm as prim  # pylint: disable=g-import-not-at-top
   queries = []
 
   class FakeModule:
@@ -104,9 +104,33 @@ def test_cudnn_ffi_call_takes_a_workspace_result(monkeypatch):
       return 512
 
   monkeypatch.setattr(_extension, "module", FakeModule)
-  lhs = jax.ShapeDtypeStruct((40, 16), jnp.bfloat16)
-  rhs_nk = jax.ShapeDtypeStruct((3, 24, 16), jnp.bfloat16)
-  offsets = jax.ShapeDtypeStruct((3,), jnp.int32)
-  out = jax.eval_shape(gemm_module._grouped_matmul_ffi, lhs, rhs_nk, offsets)
-  assert (out.shape, out.dtype) == ((40, 24), jnp.bfloat16)
-  assert queries == [dict(dtype="bfloat16", m=40, k=16, n=24, groups=3)]
+  lhs = jax.ShapeDtypeStruct((2, 40, 16), jnp.bfloat16)  # a batch of two, weights shared
+  rhs = jax.ShapeDtypeStruct((1, 3, 16, 24), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+  out, = jax.eval_shape(lambda *a: prim._matmul_ffi(None, *a), lhs, rhs, sizes)  # pylint: disable=protected-access
+  assert (out.shape, out.dtype) == ((2, 40, 24), jnp.bfloat16)
+  assert queries == [dict(dtype="bfloat16", m=80, k=16, n=24, groups=3)]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["rhs_shared", "rhs_batched"])
+def test_batch_regrouping_of_the_handler_calls(shared):
+  """A batch runs as one handler call on rows regrouped across it: the regrouping (what the
+  GPU lowering does around the FFI call) with a plain-JAX call in the handler's place."""
+  from cudnn_jax.primitives import grouped_gemm as prim  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  b, m, k, n, g = 3, 12, 8, 5, 3
+  lhs = jnp.asarray(rng.standard_normal((b, m, k)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((b, m, n)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((1 if shared else b, g, k, n)), jnp.float32)
+  sizes = jnp.asarray([[4, 0, 5], [12, 3, 1], [-2, 6, 2]], jnp.int32)  # past M; negative
+  weights = rhs.reshape(-1, k, n)
+  product = lambda rows, s: ref.grouped_gemm(rows, weights, s)
+  got = prim._regrouped(product, lhs, sizes, shared)  # pylint: disable=protected-access
+  outer = lambda rows, c, s: ref.grouped_outer(rows, c, s)
+  got_outer = prim._regrouped_outer(outer, lhs, ct, sizes)  # pylint: disable=protected-access
+  for i in range(b):
+    r = rhs[0 if shared else i]
+    np.testing.assert_allclose(got[i], ref.grouped_gemm(lhs[i], r, sizes[i]), atol=1e-5)
+    want = ref.grouped_outer(lhs[i], ct[i], ref.clamped_sizes(sizes[i], m))
+    np.testing.assert_allclose(got_outer[i], want, atol=1e-5)

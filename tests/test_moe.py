@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
+from cudnn_jax import engines
 import gemm_oracle as oracle
 from cudnn_jax.ops.moe import moe_mlp
 
@@ -220,24 +221,18 @@ def test_engines_and_explain():
 
 
 @pytest.mark.parametrize("engine", ["cudnn", "cute"])
-def test_gpu_engine_python_side(monkeypatch, engine):
-  """moe_mlp's GPU engines (both projections on a GPU grouped product) with the FFI calls
-  emulated, against the xla engine: values and gradients."""
-  from cudnn_jax.ops import gemm as gemm_module
-  oracle.emulate_gpu_ffi(monkeypatch, gemm_module)
-  from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
+def test_gpu_engine_python_side(engine):
+  """moe_mlp's GPU engines (both projections on a GPU grouped product) on their primitives'
+  CPU emulation of the handlers, against the xla engine: values and gradients."""
+  from cudnn_jax.ops import moe as moe_module  # pylint: disable=g-import-not-at-top
   x, idx, weights, w_up, w_down = moe_case()
 
-  def loss(grouped_gemm, *diff):
-    y = ref.moe_mlp(diff[0], idx, *diff[1:], glu="swiglu", activation=None,
-                    grouped_gemm=grouped_gemm)
-    return jnp.sum(jnp.sin(y))
+  def loss(name, x, weights, w_up, w_down):
+    call, inputs = moe_module._prepare(x, idx, weights, w_up, w_down)  # pylint: disable=protected-access
+    return jnp.sum(jnp.sin(engines.engine("moe_mlp", name).run(call, inputs)))
 
-  args = (x, weights, w_up, w_down)
   value_and_grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))
-  got = value_and_grad(gemm_module.grouped_gemms[engine], *args)
-  want = value_and_grad(ref.ref_gemm.grouped_gemm, *args)
-  np.testing.assert_allclose(loss(gemm_module.grouped_gemms[engine], *args), want[0],
-                             rtol=1e-5)
+  got = value_and_grad(engine, x, weights, w_up, w_down)
+  want = value_and_grad("xla", x, weights, w_up, w_down)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -301,7 +301,7 @@ BAD_INPUTS = [
     ("window_float", dict(local_window_size=(1.5, 2)), TypeError, "local_window_size"),
     ("softcap", dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
     ("scale_array", dict(scale=jnp.ones(())), TypeError, "scale"),
-    ("implementation", dict(implementation="triton"), ValueError, "implementation"),
+    ("implementation", dict(implementation="pallas"), ValueError, "implementation"),
 ]
 
 

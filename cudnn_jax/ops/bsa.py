@@ -8,13 +8,15 @@ follow the selected blocks rather than the full ``Sq x Skv`` square.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, _sharding, engines
+from cudnn_jax import _checks, engines
+from cudnn_jax.primitives import core
 
 BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -98,8 +100,8 @@ def _prepare(query, key, value, block_index, block_counts=None, *, block_size=12
   call = BsaCall(b=b, sq=sq, skv=skv, n=n, k=k, h=h, hv=hv, kmax=kmax,
                  dtype=jnp.dtype(query.dtype).name, block_size=bs, scale=float(scale),
                  is_causal=bool(is_causal), return_lse=bool(return_lse))
-  inputs = BsaInputs(query, key, value, block_index.astype(jnp.int32),
-                     block_counts.astype(jnp.int32), sizes)
+  inputs = BsaInputs(*_checks.arrays(query, key, value, block_index.astype(jnp.int32),
+                                     block_counts.astype(jnp.int32), sizes))
   return call, inputs
 
 
@@ -140,16 +142,22 @@ def bsa_from_mask(block_mask):
   return jnp.where(slot < counts[..., None], order, -1), counts
 
 
+def _reference(call: BsaCall, q, k, v, block_index, block_counts, kv_block_sizes):
+  from cudnn_jax.reference import bsa as ref  # pylint: disable=g-import-not-at-top
+  # Differentiated, the gathered blocks are recomputed rather than kept.
+  run = jax.checkpoint(functools.partial(ref.bsa, block_size=call.block_size,
+                                         scale=call.scale, is_causal=call.is_causal))
+  return run(q, k, v, block_index, block_counts, kv_block_sizes)
+
+
+# Batch and heads stay local: on a mesh each device gathers only its own kv blocks.
+_run_xla_per_shard = core.per_shard(
+    "bsa", _reference, "b t n h, b s k h, b s k d, b n m j, b n m, b k l -> b t n d, b n t",
+    shardable=("b", ("n", "k")))
+
+
 def _run_xla(call: BsaCall, x: BsaInputs):
-  # The reference as primitives: vmap folds into the batch, and batch- or head-sharded
-  # inputs compute locally. Explicitly sharded inputs carry their shardings through the
-  # reference's batched gathers themselves.
-  from cudnn_jax.primitives import bsa as prim  # pylint: disable=g-import-not-at-top
-  config = prim.BsaConfig(block_size=call.block_size, scale=call.scale,
-                          is_causal=call.is_causal)
-  if _sharding.explicit_mesh(x.query):
-    return prim.reference(config, *x)
-  return prim.bsa(config, *x)
+  return _run_xla_per_shard(call, *x)
 
 
 engines.register_op("bsa", lambda *a, **kw: _prepare(*a, **kw)[0])

@@ -15,7 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines, epilogue
+from cudnn_jax import _checks, _extension, engines, epilogue
+from cudnn_jax.primitives import core
+from cudnn_jax.primitives import grouped_gemm as prim
+from cudnn_jax.reference import gemm as ref
 
 # out_dtype may also be a float8 type: that is what return_amax is for (scaling is left to
 # the caller; the cast neither scales nor saturates).
@@ -82,7 +85,7 @@ def _prepare_gemm(a, b, *, bias=None, activation=None, glu=None, out_dtype=None,
   call = GemmCall(batch=tuple(batch), m=m, k=k, n=n, dtype=jnp.dtype(a.dtype).name,
                   out_dtype=_out_dtype(out_dtype, a.dtype), has_bias=bias is not None,
                   activation=activation, glu=glu, return_amax=bool(return_amax))
-  return call, GemmInputs(a, b, bias)
+  return call, GemmInputs(*_checks.arrays(a, b, bias))
 
 
 def gemm(a, b, *, bias=None, activation=None, glu=None, out_dtype=None, return_amax=False,
@@ -110,7 +113,6 @@ def gemm(a, b, *, bias=None, activation=None, glu=None, out_dtype=None, return_a
 
 
 def _run_gemm_xla(call: GemmCall, x: GemmInputs):
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   y = ref.gemm(x.a, x.b, x.bias, activation=call.activation, glu=call.glu)
   return ref.finish(y, call.out_dtype, call.return_amax)
 
@@ -169,7 +171,7 @@ def _prepare_grouped(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=N
   call = GroupedGemmCall(m=m, k=k, n=n, groups=groups, dtype=jnp.dtype(lhs.dtype).name,
                          out_dtype=_out_dtype(out_dtype, lhs.dtype),
                          has_bias=bias is not None, activation=activation, glu=glu)
-  return call, GroupedGemmInputs(lhs, rhs, group_sizes, bias)
+  return call, GroupedGemmInputs(*_checks.arrays(lhs, rhs, group_sizes, bias))
 
 
 def grouped_gemm(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=None,
@@ -185,11 +187,37 @@ def grouped_gemm(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=None,
   """
   call, inputs = _prepare_grouped(lhs, rhs, group_sizes, bias=bias, activation=activation,
                                   glu=glu, out_dtype=out_dtype)
-  return engines.dispatch("grouped_gemm", implementation, call, inputs)
+  engine = engines.choose("grouped_gemm", call, implementation)
+  arrays = [x[None] for x in inputs if x is not None]
+  return _grouped_per_shard((engine.name, call), *arrays)[0][0]
+
+
+def _grouped_batch(config, lhs, rhs, group_sizes, *bias):
+  """The engine's grouped_gemm over a batch: ``lhs [B, M, K]``, ``rhs [R, G, K, C]``,
+  ``group_sizes [B, G]``, ``bias [R, G, C]`` (R = B, or 1: shared) -> ``[B, M, N]``."""
+  name, call = config
+  run = engines.engine("grouped_gemm", name).run
+  shared = rhs.shape[0] != lhs.shape[0]
+  one = lambda l, r, s, *b: run(call, GroupedGemmInputs(l, r, s, *b))
+  if lhs.shape[0] == 1:  # (also what jax.vmap batches: nested, it would vmap ragged_dot twice)
+    return (one(lhs[0], rhs[0], group_sizes[0], *[b[0] for b in bias])[None],)
+  axes = (0, None if shared else 0, 0) + (None if shared else 0,) * len(bias)
+  weights = [x[0] if shared else x for x in (rhs, *bias)]
+  return (jax.vmap(one, in_axes=axes)(lhs, weights[0], group_sizes, *weights[1:]),)
+
+
+def _grouped_rule(config, lhs, rhs, group_sizes, *bias):
+  del config, group_sizes
+  r = "b" if rhs[0] == lhs[0] else "r"
+  return f"b m k, {r} g k c, b g{f', {r} g c' if bias else ''} -> b m n"
+
+
+# Batches stay local on a mesh: grouped_gemm's own batch of one, or jax.vmap's.
+_grouped_per_shard = core.per_shard("grouped_gemm", _grouped_batch, _grouped_rule,
+                                    shardable=("b",))
 
 
 def _run_grouped_xla(call: GroupedGemmCall, x: GroupedGemmInputs):
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   y = ref.grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
                        glu=call.glu)
   return y.astype(call.out_dtype)
@@ -200,19 +228,19 @@ engines.register_engine("grouped_gemm", "xla", supports=lambda call: None,
                         run=_run_grouped_xla)
 
 
-# GPU engines. "cute" (our kernel) serves grouped_gemm by default on sm_90: about 730
-# TFLOP/s back to back at m32768 k4096 n2048 g8 on an H200, where lax.ragged_dot runs at
-# 95. "cudnn" (cuDNN's grouped matmul node, about 230) is opt-in, and so is gemm's "cute":
-# XLA's dense matmul is faster without an epilogue (810 vs 740), so also differentiated
-# (the kernel then runs without its epilogue); with a GLU the kernel's forward only
-# matches XLA's (730).
+# GPU engines: "cute" (our CuTe DSL kernel, kernels/grouped_gemm_sm90.py, compiled ahead of
+# time with the bias and the activation or GLU fused into its epilogue) serves grouped_gemm by
+# default on sm_90; "cudnn" (cuDNN's MoE grouped matmul node, epilogues in XLA) is opt-in,
+# and so is gemm's "cute": XLA's dense matmul is as fast without an epilogue. Measured
+# speeds are in README.md and bench/NOTES.md. The handlers' calls are primitives over a
+# batch (cudnn_jax/primitives/grouped_gemm.py); here a call is a batch of one.
 
 
-def _grouped_product_on(matmul, outer=None):
-  """``grouped_product``'s contract on a GPU grouped matmul ``matmul(lhs, w, group_sizes)``
-  (``w [G, K, N]``; lhs's dtype out, 0 past the last group): the lhs gradient runs on the
-  same matmul against the transposed weights, the rhs gradient on ``outer(lhs, ct,
-  group_sizes)`` (float32 ``[G, K, N]``), by default XLA's."""
+def _grouped_product_on(matmul, outer=ref.grouped_outer):
+  """``lhs @ rhs`` per group, float32 ``[M, N]``, 0 past the groups, on a GPU grouped
+  matmul ``matmul(lhs, w, group_sizes)`` (``w [G, K, N]``; lhs's dtype out): the lhs
+  gradient runs on the same matmul against the transposed weights, the rhs gradient on
+  ``outer(lhs, ct, group_sizes)`` (float32 ``[G, K, N]``)."""
 
   @jax.custom_vjp
   def product(lhs, rhs, group_sizes):
@@ -222,33 +250,23 @@ def _grouped_product_on(matmul, outer=None):
     return product(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
   def bwd(res, ct):
-    from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
     lhs, rhs, group_sizes = res
     ct = ct.astype(lhs.dtype)
     d_lhs = matmul(ct, jnp.swapaxes(rhs, 1, 2), group_sizes)
-    d_rhs = (outer or ref.grouped_outer)(lhs, ct, group_sizes)
-    return d_lhs, d_rhs.astype(rhs.dtype), None
+    return d_lhs, outer(lhs, ct, group_sizes).astype(rhs.dtype), None
 
   product.defvjp(fwd, bwd)
   return product
 
 
-def _past_groups_zero(out, group_sizes):
-  rows = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
-  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
-
-
-def _run_grouped_on(product):
-  def run(call: GroupedGemmCall, x: GroupedGemmInputs):
-    from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-    y = ref.grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
-                         glu=call.glu, product=product)
-    return y.astype(call.out_dtype)
-  return run
+def _grouped_on(product, lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+  """``grouped_gemm``'s float32 value with the product on ``product``."""
+  group_sizes = ref.clamped_sizes(group_sizes, lhs.shape[0])
+  return ref.grouped_epilogue(product(lhs, rhs, group_sizes), group_sizes, bias,
+                              activation=activation, glu=glu)
 
 
 def _gpu_reason(call: GroupedGemmCall) -> str | None:
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   if why := _extension.unavailable_reason():
     return why
   if call.dtype not in ("bfloat16", "float16"):
@@ -256,22 +274,17 @@ def _gpu_reason(call: GroupedGemmCall) -> str | None:
   return None
 
 
+def _one(primitive, config, *arrays):
+  """A primitive over a batch, called on one: ``arrays`` gain a leading batch of 1."""
+  return primitive(config, *[x[None] for x in arrays])[0][0]
+
+
 # "cudnn": cuDNN's MoE grouped matmul node.
 
 
 def _grouped_matmul_check(dtype, m, k, n, groups):
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   return _extension.module().grouped_matmul_check(
       dict(dtype=dtype, m=m, k=k, n=n, groups=groups)) or None
-
-
-def _grouped_matmul_workspace(lhs, rhs_nk):
-  """The u8 workspace result the handler runs cuDNN in."""
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
-  from cudnn_jax.primitives import _common  # pylint: disable=g-import-not-at-top
-  (m, k), (groups, n, _) = lhs.shape, rhs_nk.shape
-  return _common.workspace_result(_extension.module().grouped_matmul_workspace(
-      dict(dtype=jnp.dtype(lhs.dtype).name, m=m, k=k, n=n, groups=groups)))
 
 
 def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
@@ -282,123 +295,70 @@ def _supports_grouped_cudnn(call: GroupedGemmCall) -> str | None:
           or _grouped_matmul_check(call.dtype, call.m, columns, call.k, call.groups))
 
 
-def _grouped_matmul_ffi(lhs, rhs_nk, offsets):
-  """The FFI handler: group g's rows start at ``offsets[g]``; the last group runs to M."""
-  out, _ = jax.ffi.ffi_call(
-      "cudnn_jax_grouped_matmul",
-      (jax.ShapeDtypeStruct((lhs.shape[0], rhs_nk.shape[1]), lhs.dtype),
-       _grouped_matmul_workspace(lhs, rhs_nk)),
-      vmap_method="sequential")(lhs, rhs_nk, offsets)
-  return out
+_cudnn_product = _grouped_product_on(functools.partial(_one, prim.matmul, None))
 
 
-def _cudnn_matmul(lhs, rhs, group_sizes):
-  # The node reads weights K-fastest ([G, N, K]); XLA cancels the transpose where rhs
-  # already comes transposed (the lhs gradient).
-  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)[:-1]])
-  out = _grouped_matmul_ffi(lhs, jnp.swapaxes(rhs, 1, 2), offsets.astype(jnp.int32))
-  return _past_groups_zero(out, group_sizes)
+def _cudnn_grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+  return _grouped_on(_cudnn_product, lhs, rhs, group_sizes, bias, activation=activation,
+                     glu=glu)
 
 
-_cudnn_grouped_product = _grouped_product_on(_cudnn_matmul)
+def _run_grouped_cudnn(call: GroupedGemmCall, x: GroupedGemmInputs):
+  return _cudnn_grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias, activation=call.activation,
+                             glu=call.glu).astype(call.out_dtype)
+
+
 engines.register_engine("grouped_gemm", "cudnn", supports=_supports_grouped_cudnn,
-                        run=_run_grouped_on(_cudnn_grouped_product), opt_in=True)
+                        run=_run_grouped_cudnn, opt_in=True)
 
 
-# "cute": our CuTe DSL kernel (kernels/grouped_gemm_sm90.py), compiled ahead of time, with
-# the bias and the activation or GLU fused into its epilogue.
-
-_CUTE_TILE_M = 128  # the kernel's row tile
-_CUTE_MAX_GROUPS = 1 << 16  # the kernel's group search covers this many
-_GLUS = tuple(epilogue.GLU_ACTIVATION)
+# "cute": our kernel, the epilogue fused.
 
 
-def _cute_variants(dtype, activation=None, glu=None):
+def _cute_variants(dtype, epilogue_name):
   """The kernel variants a call needs: the fused epilogue, the plain product (gradients,
   and every call under differentiation) and the weight gradient."""
   name = "bf16" if dtype == "bfloat16" else "f16"
-  return (f"grouped_gemm_{name}_{glu or activation or 'none'}", f"grouped_gemm_{name}_none",
+  return (f"grouped_gemm_{name}_{epilogue_name}", f"grouped_gemm_{name}_none",
           f"grouped_wgrad_{name}")
 
 
 def _supports_grouped_cute(call: GroupedGemmCall) -> str | None:
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   if why := _gpu_reason(call):
     return why
-  for variant in _cute_variants(call.dtype, call.activation, call.glu):
+  for variant in _cute_variants(call.dtype, call.glu or call.activation or "none"):
     if variant not in _extension.aot_kernels():
       return f"the extension was built without the AOT kernel {variant}"
   if call.k % 8 or call.n % 8:
     return f"K={call.k} and N={call.n} must be multiples of 8 (16-byte rows for TMA)"
-  if call.groups > _CUTE_MAX_GROUPS:
-    return f"{call.groups} groups: the kernel takes at most {_CUTE_MAX_GROUPS}"
+  max_groups = _extension.kernel_constants()["grouped_gemm"]["max_groups"]
+  if call.groups > max_groups:
+    return f"{call.groups} groups: the kernel takes at most {max_groups}"
   return None
 
 
-def _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts, *, epilogue):
-  """The FFI handler: ``epilogue(lhs @ rhs[g] + bias[g])`` ([M, N], lhs's dtype) for the
-  rows of each group; rows past the last group are zero."""
-  columns = rhs.shape[2] // (2 if epilogue in _GLUS else 1)
-  return jax.ffi.ffi_call(
-      "cudnn_jax_cute_grouped_gemm",
-      jax.ShapeDtypeStruct((lhs.shape[0], columns), lhs.dtype),
-      vmap_method="sequential")(lhs, rhs, bias, tile_starts, row_starts,
-                                epilogue=epilogue)
-
-
-def _row_starts(group_sizes, rows):
-  """[G+1] int32: where each group's rows start (and the last ends), clamped to ``rows``."""
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
-  return jnp.concatenate([jnp.zeros((1,), ends.dtype), ends]).astype(jnp.int32)
-
-
-def _cute_kernel(lhs, rhs, group_sizes, bias=None, activation=None, glu=None):
-  """The kernel with its group tables; ``[M, N]`` in lhs's dtype, 0 past the last group (the
-  kernel writes those zeros)."""
-  zero = jnp.zeros((1,), jnp.int32)
-  row_starts = _row_starts(group_sizes, lhs.shape[0])
-  tiles = -(-jnp.diff(row_starts) // _CUTE_TILE_M)
-  tile_starts = jnp.concatenate([zero, jnp.cumsum(tiles)]).astype(jnp.int32)
+def _cute_kernel(lhs, rhs, group_sizes, bias=None, epilogue_name="none"):
+  """The kernel: ``[M, N]`` in lhs's dtype, 0 past the groups."""
   bias = (jnp.zeros(rhs.shape[::2], jnp.float32) if bias is None
           else bias.astype(jnp.float32))
-  return _cute_grouped_gemm_ffi(lhs, rhs, bias, tile_starts, row_starts,
-                                epilogue=glu or activation or "none")
+  return _one(prim.fused, epilogue_name, lhs, rhs, bias, group_sizes)
 
 
-def _cute_grouped_wgrad_ffi(lhs, ct, row_starts):
-  """The FFI handler: ``out[g] = lhs[rows of g]^T ct[rows of g]``, float32 [G, K, N]."""
-  groups = row_starts.shape[0] - 1
-  return jax.ffi.ffi_call(
-      "cudnn_jax_cute_grouped_wgrad",
-      jax.ShapeDtypeStruct((groups, lhs.shape[1], ct.shape[1]), jnp.float32),
-      vmap_method="sequential")(lhs, ct, row_starts)
-
-
-def _cute_wgrad(lhs, ct, group_sizes):
-  return _cute_grouped_wgrad_ffi(lhs, ct, _row_starts(group_sizes, lhs.shape[0]))
-
-
-_cute_grouped_product = _grouped_product_on(_cute_kernel, outer=_cute_wgrad)
+_cute_product = _grouped_product_on(
+    _cute_kernel, outer=lambda lhs, ct, sizes: _one(prim.wgrad, None, lhs, ct, sizes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _cute_fused(lhs, rhs, group_sizes, bias, activation, glu):
-  return _cute_kernel(lhs, rhs, group_sizes, bias, activation, glu)
-
-
-def _cute_unfused(lhs, rhs, group_sizes, bias, activation, glu):
-  """The same value as the plain product on the kernel and the epilogue in XLA, whose
-  intermediates (the product before the epilogue) the VJP needs."""
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  y = ref.grouped_gemm(lhs, rhs, group_sizes, bias, activation=activation, glu=glu,
-                       product=_cute_grouped_product)
-  return y.astype(lhs.dtype)
+  return _cute_kernel(lhs, rhs, group_sizes, bias, glu or activation or "none")
 
 
 def _cute_fused_fwd(lhs, rhs, group_sizes, bias, activation, glu):
-  out, pull = jax.vjp(lambda l, r, b: _cute_unfused(l, r, group_sizes, b, activation, glu),
-                      lhs, rhs, bias)
-  return out, pull
+  # Differentiated: the plain product on the kernel and the epilogue in XLA, whose
+  # intermediates (the product before the epilogue) the backward needs.
+  unfused = lambda l, r, b: _grouped_on(_cute_product, l, r, group_sizes, b,
+                                        activation=activation, glu=glu).astype(lhs.dtype)
+  return jax.vjp(unfused, lhs, rhs, bias)
 
 
 def _cute_fused_bwd(activation, glu, pull, ct):
@@ -411,9 +371,8 @@ _cute_fused.defvjp(_cute_fused_fwd, _cute_fused_bwd)
 
 def _cute_grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
   """``grouped_gemm`` on the kernel, epilogue fused: ``[M, N]`` in lhs's dtype, 0 past the
-  last group. Differentiated, the forward runs the plain kernel and the epilogue in XLA
-  (keeping the product for the backward); the lhs gradient runs on the kernel, the rhs
-  gradient on XLA."""
+  groups. Differentiated, the forward runs the plain kernel and the epilogue in XLA
+  (keeping the product for the backward); both gradients of the product run on kernels."""
   return _cute_fused(lhs, rhs, group_sizes, bias, activation, glu)
 
 
@@ -422,7 +381,8 @@ def _run_grouped_cute(call: GroupedGemmCall, x: GroupedGemmInputs):
     return _cute_grouped_gemm(x.lhs, x.rhs, x.group_sizes, x.bias,
                               activation=call.activation, glu=call.glu)
   # Another output dtype: the epilogue's float32 result, cast once.
-  return _run_grouped_on(_cute_grouped_product)(call, x)
+  return _grouped_on(_cute_product, x.lhs, x.rhs, x.group_sizes, x.bias,
+                     activation=call.activation, glu=call.glu).astype(call.out_dtype)
 
 
 engines.register_engine("grouped_gemm", "cute", supports=_supports_grouped_cute,
@@ -438,7 +398,6 @@ def _as_one_group(call: GemmCall) -> GroupedGemmCall:
 
 def _run_gemm_cute(call: GemmCall, x: GemmInputs):
   """gemm as a grouped GEMM of one group on the same kernel."""
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
   a = x.a.reshape(-1, call.k)
   sizes = jnp.full((1,), a.shape[0], jnp.int32)
   bias = None if x.bias is None else x.bias[None]
@@ -447,7 +406,7 @@ def _run_gemm_cute(call: GemmCall, x: GemmInputs):
                            glu=call.glu)
     return y.reshape(*call.batch, call.m, call.n), None
   # amax and other output dtypes want the float32 epilogue result.
-  h = _cute_grouped_product(a, x.b[None], sizes)
+  h = _cute_product(a, x.b[None], sizes)
   h = h.reshape(*call.batch, call.m, x.b.shape[1])
   y = epilogue.apply(h, x.bias, activation=call.activation, glu=call.glu)
   return ref.finish(y, call.out_dtype, call.return_amax)
@@ -458,13 +417,7 @@ engines.register_engine("gemm", "cute",
                         run=_run_gemm_cute, opt_in=True)
 
 
-def _cudnn_grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
-  from cudnn_jax.reference import gemm as ref  # pylint: disable=g-import-not-at-top
-  return ref.grouped_gemm(lhs, rhs, group_sizes, bias, activation=activation, glu=glu,
-                          product=_cudnn_grouped_product)
-
-
-# The grouped GEMMs of the GPU engines, by engine name (moe_mlp's engines use them too):
-# ``(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None) -> [M, N]``, with
-# ``reference.gemm.grouped_gemm``'s contract (float32 or lhs's dtype).
+# The grouped GEMMs of the GPU engines, by engine name (moe_mlp's engines run both
+# projections on them): ``(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None)
+# -> [M, N]``, float32 or lhs's dtype, 0 past the groups.
 grouped_gemms = {"cudnn": _cudnn_grouped_gemm, "cute": _cute_grouped_gemm}

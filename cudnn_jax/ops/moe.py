@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -11,6 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cudnn_jax import _checks, engines, epilogue
+from cudnn_jax.ops.gemm import GroupedGemmCall, grouped_gemms
+from cudnn_jax.primitives import core
+from cudnn_jax.reference import moe as ref
 
 
 class MoeInputs(NamedTuple):
@@ -64,7 +68,8 @@ def _prepare(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
   call = MoeCall(tokens=t, top_k=k, d=d, f=f, experts=e, dtype=jnp.dtype(x.dtype).name,
                  weights_dtype=jnp.dtype(expert_weights.dtype).name, glu=glu,
                  activation=activation)
-  inputs = MoeInputs(x, expert_indices.astype(jnp.int32), expert_weights, w_up, w_down)
+  inputs = MoeInputs(*_checks.arrays(x, expert_indices.astype(jnp.int32), expert_weights,
+                                      w_up, w_down))
   return call, inputs
 
 
@@ -84,27 +89,36 @@ def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
   combine run inside this one function, so it jits whole. Returns ``y [T, D]`` in x's
   dtype. Differentiable in x, expert_weights, w_up, w_down.
 
-  Sharding (explicit mesh axes): tokens sharded along an axis run shard by shard with no
-  communication; experts (``w_up``, ``w_down``) sharded along another axis run expert
-  parallel, each shard serving its own experts for every token and the partial outputs
-  summed over that axis.
+  Sharding: token-sharded inputs (on meshes of either axis type) route and run on each
+  device's own tokens with no communication, and the output keeps their sharding; experts
+  (``w_up``, ``w_down``) sharded explicitly along another axis run expert parallel, each
+  shard serving its own experts for every token and the partial outputs summed over that
+  axis.
   """
   call, inputs = _prepare(x, expert_indices, expert_weights, w_up, w_down, glu=glu,
                           activation=activation)
-  run = lambda call, inputs: engines.dispatch("moe_mlp", implementation, call, inputs)
-  tokens, experts = _explicit_axes(x), _explicit_axes(w_up)
+  tokens, experts = _explicit_axes(inputs.x), _explicit_axes(inputs.w_up)
   if experts is not None and not set(_names(experts)) & set(_names(tokens)):
+    run = lambda call, inputs: engines.dispatch("moe_mlp", implementation, call, inputs)
     return _per_expert_shard(run, call, inputs, experts, tokens)
-  return run(call, inputs) if tokens is None else _per_token_shard(run, call, inputs, tokens)
+  engine = engines.choose("moe_mlp", call, implementation)
+  return _moe_per_shard((engine.name, call), *inputs)[0]
+
+
+def _run_engine(config, *arrays):
+  name, call = config
+  return (engines.engine("moe_mlp", name).run(call, MoeInputs(*arrays)),)
+
+
+# Tokens are independent: token-sharded inputs route and run on each device's own tokens,
+# with the whole expert weights (their gradients sum over the token shards).
+_moe_per_shard = core.per_shard("moe_mlp", _run_engine, "t d, t j, t j, e d c, e f d -> t d",
+                                shardable=("t",))
 
 
 def _explicit_axes(a):
   """The mesh axes that shard ``a``'s first dimension explicitly (``AxisType.Explicit``),
-  else None (x: the tokens; w_up: the experts).
-
-  Under automatic sharding the partitioner places the routing itself (gathering tokens
-  where the sort needs them); explicitly sharded tokens or experts run shard by shard.
-  """
+  else None (x: the tokens; w_up: the experts)."""
   spec = jax.typeof(a).sharding.spec
   return spec[0] if spec and spec[0] is not None else None
 
@@ -128,32 +142,14 @@ def _per_expert_shard(run, call, inputs, experts, tokens):
 
   token_spec, expert_spec = P(tokens), P(experts)
   specs = MoeInputs(token_spec, token_spec, token_spec, expert_spec, expert_spec)
-  # check_vma=False as for token shards (the grouped product's custom_vjp does not track
-  # varying values); the expert shards' cotangents of x and the weights then sum, which is
-  # their gradient.
+  # check_vma=False: the grouped products' custom_vjps do not track which values vary
+  # across shards; unchecked, the expert shards' cotangents of x sum, which is its gradient.
   shard_fn = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=token_spec,
                            check_vma=False)
   return shard_fn(*inputs)
 
 
-def _per_token_shard(run, call, inputs, axes):
-  """Runs ``run`` on each token shard with the whole expert weights: tokens are
-  independent, so the forward needs no communication, and y keeps x's token sharding."""
-  mesh = jax.typeof(inputs.x).sharding.mesh
-  size = mesh.shape[axes] if isinstance(axes, str) else math.prod(mesh.shape[a] for a in axes)
-  local = dataclasses.replace(call, tokens=call.tokens // size)
-  tokens, whole = P(axes), P()
-  specs = MoeInputs(tokens, tokens, tokens, whole, whole)
-  # check_vma=False: the grouped product's custom_vjp does not track which values vary
-  # across shards; unchecked, shard_map's transpose sums the weights' cotangents over the
-  # token shards, which is exactly their gradient.
-  shard_fn = jax.shard_map(lambda *a: run(local, MoeInputs(*a)), mesh=mesh,
-                           in_specs=tuple(specs), out_specs=tokens, check_vma=False)
-  return shard_fn(*inputs)
-
-
 def _run_xla(call: MoeCall, x: MoeInputs):
-  from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
   return ref.moe_mlp(*x, glu=call.glu, activation=call.activation)
 
 
@@ -169,7 +165,6 @@ engines.register_engine("moe_mlp", "xla", supports=lambda call: None, run=_run_x
 
 def _projections(call: MoeCall):
   """The two grouped GEMMs of ``call`` as grouped_gemm calls (for their engines' checks)."""
-  from cudnn_jax.ops.gemm import GroupedGemmCall  # pylint: disable=g-import-not-at-top
   rows = call.tokens * call.top_k
   up = GroupedGemmCall(m=rows, k=call.d, n=call.f, groups=call.experts, dtype=call.dtype,
                        out_dtype=call.dtype, activation=call.activation, glu=call.glu)
@@ -178,21 +173,24 @@ def _projections(call: MoeCall):
   return up, down
 
 
+def _moe_on(grouped, call: MoeCall, x: MoeInputs):
+  """``moe_mlp`` with both projections on ``grouped`` (a GPU engine's grouped GEMM)."""
+  order, group_sizes, valid = ref.route(x.expert_indices, call.experts)
+  rows = x.x[order // call.top_k]
+  hidden = grouped(rows, x.w_up, group_sizes, activation=call.activation, glu=call.glu)
+  out_rows = grouped(hidden.astype(x.x.dtype), x.w_down, group_sizes)
+  return ref.combine(out_rows, order, valid, x.expert_weights).astype(x.x.dtype)
+
+
 def _register_gpu_engine(name):
-  # The module, not the function of the same name that cudnn_jax exports.
-  from cudnn_jax.ops.gemm import grouped_gemms  # pylint: disable=g-import-not-at-top
   grouped = engines.engine("grouped_gemm", name)
 
   def supports(call: MoeCall):
     up, down = _projections(call)
     return grouped.supports(up) or grouped.supports(down)
 
-  def run(call: MoeCall, x: MoeInputs):
-    from cudnn_jax.reference import moe as ref  # pylint: disable=g-import-not-at-top
-    return ref.moe_mlp(*x, glu=call.glu, activation=call.activation,
-                       grouped_gemm=grouped_gemms[name])
-
-  engines.register_engine("moe_mlp", name, supports=supports, run=run, opt_in=grouped.opt_in)
+  engines.register_engine("moe_mlp", name, supports=supports, opt_in=grouped.opt_in,
+                          run=functools.partial(_moe_on, grouped_gemms[name]))
 
 
 for _name in ("cudnn", "cute"):

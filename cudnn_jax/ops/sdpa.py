@@ -185,8 +185,9 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
       has_segments=q_segment_ids is not None, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, dropout_rate=float(dropout_rate),
       return_lse=bool(return_lse), unbatched=unbatched)
-  inputs = SdpaInputs(query, key, value, bias, mask, query_seq_lengths,
-                      key_value_seq_lengths, q_segment_ids, kv_segment_ids, sinks,
+  inputs = SdpaInputs(*_checks.arrays(query, key, value, bias, mask, query_seq_lengths,
+                                      key_value_seq_lengths, q_segment_ids, kv_segment_ids,
+                                      sinks),
                       dropout_rng if dropout_rate > 0 else None)
   return call, inputs
 

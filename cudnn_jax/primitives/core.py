@@ -166,14 +166,22 @@ class Local:
     out = jax.eval_shape(functools.partial(self.impl, config), *structs)
     return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out)
 
+  def abstract(self, config, *arrays):
+    """The results' shapes and dtypes for these operands (anything with shape and dtype)."""
+    return self._abstract(*arrays, config=config)
+
   def _abstract(self, *avals, config):
     return self._abstract_of(config, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
 
   def _lowering(self, fn):
     def lowering(ctx, *args, config):
-      devices = getattr(ctx.module_context.axis_context, "device_assignment", ())
-      run = fn if devices is None or len(devices) == 1 else self._partitioned(fn)
-      return mlir.lower_fun(lambda *a: run(config, *a), multiple_results=True)(ctx, *args)
+      devices = getattr(ctx.module_context.axis_context, "device_assignment", None)
+      run = fn if not devices or len(devices) == 1 else self._partitioned(fn)
+      # ``fn`` computes on plain local arrays: traced without the operands' mesh types.
+      with _no_mesh():
+        plain = lambda avals: [jax.core.ShapedArray(a.shape, a.dtype) for a in avals]
+        ctx = ctx.replace(avals_in=plain(ctx.avals_in), avals_out=plain(ctx.avals_out))
+        return mlir.lower_fun(lambda *a: run(config, *a), multiple_results=True)(ctx, *args)
     return lowering
 
   @functools.lru_cache(maxsize=None)  # pylint: disable=method-cache-max-size-none
@@ -190,7 +198,7 @@ class Local:
       def local(*args):
         # Traced at compile time, maybe inside the caller's jax.set_mesh: the shards are
         # plain arrays here, with no mesh of their own.
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        with _no_mesh():
           outs = fn(config, *args)
           return tuple(jax.lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
@@ -272,6 +280,10 @@ def _meshes(arrays):
   yield jax.sharding.get_abstract_mesh()
   for a in arrays:
     yield jax.typeof(a).sharding.mesh
+
+
+def _no_mesh():
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
 def _explicit_mesh(arrays):

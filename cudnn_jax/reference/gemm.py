@@ -112,25 +112,37 @@ def _grouped_product_bwd(res, ct):
 grouped_product.defvjp(_grouped_product_fwd, _grouped_product_bwd)
 
 
-def grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None,
-                 product=grouped_product):
-  """Row ``i`` of group ``g``: ``epilogue(lhs[i] @ rhs[g] + bias[g])``, float32 ``[M, N]``.
+def clamped_sizes(group_sizes, rows):
+  """``group_sizes [..., G]`` as served: negative sizes count as 0, and the groups end at
+  ``rows``."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0), axis=-1), rows)
+  return jnp.diff(ends, axis=-1, prepend=0).astype(jnp.int32)
 
-  ``lhs [M, K]`` sorted by group, ``rhs [G, K, C]``, ``group_sizes [G]`` int32,
-  ``bias [G, C]``. Rows past ``sum(group_sizes)`` are exactly 0. ``product`` computes
-  ``lhs @ rhs`` per group with ``grouped_product``'s contract (float32, 0 past the last
-  group, differentiable); GPU engines pass their own.
-  """
-  h = product(lhs, rhs, group_sizes)
+
+def grouped_epilogue(h, group_sizes, bias=None, *, activation=None, glu=None):
+  """``epilogue(h[i] + bias[g])`` for the rows ``i`` of each group ``g``, float32; rows
+  past the groups are 0. ``h [M, C]``, ``group_sizes [G]``, ``bias [G, C]``."""
   if bias is None and activation is None and glu is None:
-    return h  # products are 0 past the last group
-  gid = group_ids(group_sizes, lhs.shape[0])
+    return h.astype(jnp.float32)
+  groups = group_sizes.shape[0]
+  gid = group_ids(group_sizes, h.shape[0])
   row_bias = None
   if bias is not None:
     # Gathered in float32, so its gradient (a sum over each group's rows) adds in float32.
-    row_bias = bias.astype(jnp.float32)[jnp.minimum(gid, rhs.shape[0] - 1)]
+    row_bias = bias.astype(jnp.float32)[jnp.minimum(gid, groups - 1)]
   y = epilogue.apply(h, row_bias, activation=activation, glu=glu)
-  return jnp.where((gid < rhs.shape[0])[:, None], y, 0.0)
+  return jnp.where((gid < groups)[:, None], y, 0.0)
+
+
+def grouped_gemm(lhs, rhs, group_sizes, bias=None, *, activation=None, glu=None):
+  """Row ``i`` of group ``g``: ``epilogue(lhs[i] @ rhs[g] + bias[g])``, float32 ``[M, N]``.
+
+  ``lhs [M, K]`` sorted by group, ``rhs [G, K, C]``, ``group_sizes [G]`` int32 (see
+  ``clamped_sizes``), ``bias [G, C]``. Rows past the groups are exactly 0.
+  """
+  group_sizes = clamped_sizes(group_sizes, lhs.shape[0])
+  h = grouped_product(lhs, rhs, group_sizes)
+  return grouped_epilogue(h, group_sizes, bias, activation=activation, glu=glu)
 
 
 def finish(y, out_dtype, return_amax):

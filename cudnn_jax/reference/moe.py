@@ -29,24 +29,27 @@ def route(expert_indices, num_experts):
   return order, group_sizes, valid
 
 
-def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu, activation,
-            grouped_gemm=ref_gemm.grouped_gemm):
+def combine(out_rows, order, valid, expert_weights):
+  """``y_t = sum_j expert_weights[t,j] * out_rows[pair (t, j)]`` float32 ``[T, D]``: the
+  rows ``out_rows [T*k, D]`` in ``route``'s order, un-sorted and weighted."""
+  t, k = valid.shape
+  per_choice = out_rows[ref_gemm.inverse_permutation(order)].reshape(t, k, -1)  # token order
+  # Masking the weights (not only the rows) keeps a non-finite weight of a dropped pair
+  # out of the sum.
+  weights = jnp.where(valid, expert_weights.astype(jnp.float32), 0.0)
+  return jnp.einsum("tkd,tk->td", per_choice, weights, precision=matmul_precision(jnp.float32))
+
+
+def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu, activation):
   """``y_t = sum_j w[t,j] * (epilogue(x_t @ w_up[e]) @ w_down[e])``, ``e = idx[t,j]``.
 
   ``x [T, D]``, ``expert_indices [T, k]``, ``expert_weights [T, k]``, ``w_up [E, D, C]``,
   ``w_down [E, F, D]``; returns ``[T, D]`` in x's dtype. The hidden activations are
   rounded to x's dtype between the two GEMMs, as a fused kernel stores them; the down
-  projection and the combine stay in float32. ``grouped_gemm``: both projections, with
-  ``ref_gemm.grouped_gemm``'s contract (GPU engines pass theirs).
+  projection and the combine stay in float32.
   """
-  t, k = expert_indices.shape
   order, group_sizes, valid = route(expert_indices, w_up.shape[0])
-  rows = x[order // k]  # [T*k, D], sorted by expert
-  hidden = grouped_gemm(rows, w_up, group_sizes, activation=activation, glu=glu)
-  out_rows = grouped_gemm(hidden.astype(x.dtype), w_down, group_sizes)
-  per_choice = out_rows[ref_gemm.inverse_permutation(order)].reshape(t, k, -1)  # token order
-  # Masking the weights (not only the rows) keeps a non-finite weight of a dropped pair
-  # out of the sum.
-  weights = jnp.where(valid, expert_weights.astype(jnp.float32), 0.0)
-  y = jnp.einsum("tkd,tk->td", per_choice, weights, precision=matmul_precision(jnp.float32))
-  return y.astype(x.dtype)
+  rows = x[order // expert_indices.shape[1]]  # [T*k, D], sorted by expert
+  hidden = ref_gemm.grouped_gemm(rows, w_up, group_sizes, activation=activation, glu=glu)
+  out_rows = ref_gemm.grouped_gemm(hidden.astype(x.dtype), w_down, group_sizes)
+  return combine(out_rows, order, valid, expert_weights).astype(x.dtype)
