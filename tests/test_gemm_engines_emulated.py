@@ -134,3 +134,15 @@ def test_batch_regrouping_of_the_handler_calls(shared):
     np.testing.assert_allclose(got[i], ref.grouped_gemm(lhs[i], r, sizes[i]), atol=1e-5)
     want = ref.grouped_outer(lhs[i], ct[i], ref.clamped_sizes(sizes[i], m))
     np.testing.assert_allclose(got_outer[i], want, atol=1e-5)
+
+
+def test_kernel_epilogues_are_the_librarys():
+  """The grouped GEMM kernel's epilogue names (read back from the extension's build) are
+  cudnn_jax.epilogue's."""
+  from cudnn_jax import _extension, epilogue  # pylint: disable=g-import-not-at-top
+  constants = _extension.kernel_constants()
+  if constants is None:
+    pytest.skip("the extension is not built")
+  kernel = constants["grouped_gemm"]
+  assert tuple(kernel["epilogues"]) == ("none", *epilogue.ACTIVATIONS, *epilogue.GLU_ACTIVATION)
+  assert tuple(kernel["glu_epilogues"]) == tuple(epilogue.GLU_ACTIVATION)

@@ -131,7 +131,7 @@ def _starts(sizes):
 
 def _fused_ffi(epilogue, lhs, rhs, bias, group_sizes):
   weights, bias = (x.reshape((-1,) + x.shape[2:]) for x in (rhs, bias))
-  columns = rhs.shape[3] // (2 if epilogue in _constants()["glu_epilogues"] else 1)
+  columns = rhs.shape[3] // (2 if epilogue in epilogues.GLU_ACTIVATION else 1)
 
   def call(rows, sizes):
     row_starts, tile_starts = _starts(sizes)
