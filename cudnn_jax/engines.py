@@ -3,10 +3,9 @@
 Every op has engines registered under the name of the technology that runs them:
 "cudnn" (cuDNN graphs), "cute" (our CuTe DSL kernels compiled ahead of time), "triton" /
 "mosaic" (our Pallas kernels lowered through Triton / Mosaic GPU), "xla" (pure JAX). An
-engine is a
-``supports(call) -> str | None`` check over static facts (shapes, dtypes, flags, backend,
-GPU generation) that returns ``None`` when it can serve the call and otherwise the reason,
-plus ``run(call, *arrays)``. ``implementation=None`` tries engines in preference order and
+engine is a ``supports(call) -> str | None`` check over static facts (shapes, dtypes,
+flags, backend, GPU generation) that returns ``None`` when it can serve the call and
+otherwise the reason, plus ``run(call, *arrays)``. ``implementation=None`` tries engines in preference order and
 ends at ``"xla"``, which serves every valid call. An engine registered ``opt_in`` (one not
 yet validated on hardware) serves only calls that name it in ``implementation``.
 """
