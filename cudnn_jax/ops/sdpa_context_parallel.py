@@ -127,7 +127,7 @@ def _context_parallel(query, key, value, sinks, *, sdpa, mesh, axis, strategy, i
   def attend(q, k, v, **extra):
     return sdpa(q, k, v, return_lse=True, **dict(options), **extra)
 
-  def local(q, k, v):
+  def local(q, k, v, *maybe_sinks):
     if strategy == "ring":
       out, lse = _ring(q, k, v, axis=axis, size=size, is_causal=is_causal, left=left,
                        attend=attend)
@@ -141,19 +141,21 @@ def _context_parallel(query, key, value, sinks, *, sdpa, mesh, axis, strategy, i
                      key_value_seq_lengths=jnp.full((q.shape[0],), visible, jnp.int32),
                      local_window_size=None if left is None else (left, 0))
       out, lse = attend(q, k, v, **extra)
-    if sinks is not None:  # the sink joins each row's denominator once
+    for sinks in maybe_sinks:  # the sink joins each row's denominator once
       sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
       out, lse = _merge(out.astype(jnp.float32), lse, jnp.zeros_like(out, jnp.float32), sink)
     return out.astype(q.dtype), lse
 
   tokens, rows = P(None, axis), P(None, None, axis)
+  arrays = (query, key, value) + (() if sinks is None else (sinks,))
+  in_specs = (tokens,) * 3 + (P(),) * (len(arrays) - 3)
 
   def run(mesh, *arrays):
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens),
-                         out_specs=(tokens, rows), axis_names={axis}, check_vma=False)(*arrays)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tokens, rows),
+                         axis_names={axis}, check_vma=False)(*arrays)
 
   if jax.sharding.AxisType.Explicit not in mesh.axis_types:
-    return run(mesh, query, key, value)
+    return run(mesh, *arrays)
   # Explicit axes: the shard_map runs on automatic ones (only there does JAX transpose its
   # gathers, and the move of unsharded inputs onto the sequence shards). out and lse keep
   # query's batch and head sharding and are sequence sharded along ``axis``.
@@ -161,7 +163,7 @@ def _context_parallel(query, key, value, sinks, *, sdpa, mesh, axis, strategy, i
   on_auto_axes = jax.sharding.auto_axes(
       lambda *a: run(jax.sharding.get_abstract_mesh(), *a),
       out_sharding=(P(batch, axis, heads), P(batch, heads, axis)))
-  return on_auto_axes(query, key, value)
+  return on_auto_axes(*arrays)
 
 
 def _spec(x, ndim):
