@@ -1,12 +1,16 @@
 """cudnn_jax.conv3d ("xla" engine) against a float64 NumPy oracle written apart from it."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy.special import erf
 
 import cudnn_jax
+from mesh_cases import assert_no_collectives, mesh_or_skip
 
 
 def oracle_pads(padding, spatial, kernel, strides, dilation):
@@ -178,3 +182,40 @@ def test_bad_inputs_name_the_argument(change, error, match):
   args = dict(x=X, w=W) | change
   with pytest.raises(error, match=match):
     cudnn_jax.conv3d(**args)
+
+
+def test_numpy_inputs_are_jax_numpy_inputs():
+  """NumPy arrays, float64 ones too, act as jnp.asarray of them (float32 without x64)."""
+  arrays, kwargs = case(norm="group", num_groups=2, activation="silu")
+  as_numpy = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
+  got = cudnn_jax.conv3d(**as_numpy, **kwargs)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, cudnn_jax.conv3d(**arrays, **kwargs), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_batch_sharded_with_numpy_weights(axis_type, jit):
+  """A batch-sharded x (and residual) with NumPy weights, differentiated in all of them:
+  the values and gradients of the unsharded call; the forward moves no data between
+  devices and keeps x's batch sharding."""
+  arrays, kwargs = case(n=4, spatial=(3, 4, 4), cin=4, cout=4, kernel=(2, 3, 3),
+                        norm="group", num_groups=2, activation="silu", padding="CAUSAL")
+  arrays = {k: np.asarray(v) for k, v in arrays.items()}
+  arrays["residual"] = np.asarray(normal(7, (4, 3, 4, 4, 4)))
+  call = functools.partial(cudnn_jax.conv3d, **kwargs)
+  loss = lambda a: jnp.sum(jnp.sin(call(**a)))
+  want, want_grads = call(**arrays), jax.grad(loss)(arrays)
+  mesh = mesh_or_skip((4, 2), ("b", "h"), axis_type)
+  wrap = jax.jit if jit else (lambda f: f)
+  with jax.set_mesh(mesh):
+    batch = NamedSharding(mesh, P("b"))
+    args = dict(arrays, x=jax.device_put(arrays["x"], batch),
+                residual=jax.device_put(arrays["residual"], batch))
+    out = wrap(lambda a: call(**a))(args)
+    grads = wrap(jax.grad(loss))(args)
+    assert_no_collectives(jax.jit(lambda a: call(**a)), args)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert out.sharding.spec[0] == "b", out.sharding
+  for name, g in grads.items():
+    np.testing.assert_allclose(g, want_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)

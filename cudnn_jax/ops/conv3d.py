@@ -88,11 +88,22 @@ def _channel_vector(name, x, channels):
   return x
 
 
+def _as_array(x):
+  """NumPy arrays (and other arrays) as JAX arrays, with jax.numpy's dtypes (float64 is
+  float32 unless x64 is on): a constant captured by jit is then an input like any other.
+  Anything that is not an array is left for the checks to name."""
+  if x is None or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    return x
+  return jnp.asarray(x)
+
+
 def _prepare(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_bias=None,
              num_groups=32, eps=1e-6, activation=None, strides=(1, 1, 1), padding="SAME",
              dilation=(1, 1, 1), out_dtype=None, implementation=None):
   """Validates the user's arguments into (Conv3dCall, Conv3dInputs)."""
   del implementation
+  x, w, bias, residual, norm_scale, norm_bias = map(
+      _as_array, (x, w, bias, residual, norm_scale, norm_bias))
   n, *spatial, cin = _checks.shape_of("x", x, 5)
   _checks.float_dtype("x", x)
   kt, kh, kw, w_cin, cout = _checks.shape_of("w", w, 5)
@@ -148,7 +159,9 @@ def conv3d(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_b
   eps)`` per sample over (T, H, W, C / num_groups); times ``norm_scale`` plus
   ``norm_bias`` when given; then ``activation`` in {None, "silu", "gelu" (erf), "relu"}.
   Returns ``[N, T', H', W', Cout]`` in ``out_dtype`` (default x's dtype). Differentiable in
-  x, w, bias, residual, norm_scale, norm_bias.
+  x, w, bias, residual, norm_scale, norm_bias. NumPy arrays are taken as ``jnp.asarray``
+  of them. Sharded along the batch (x, residual), on meshes of either axis type, the call
+  computes locally and the result keeps that sharding.
   """
   call, inputs = _prepare(x, w, bias, residual=residual, norm=norm, norm_scale=norm_scale,
                           norm_bias=norm_bias, num_groups=num_groups, eps=eps,
@@ -157,8 +170,23 @@ def conv3d(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm_b
   return engines.dispatch("conv3d", implementation, call, inputs)
 
 
+def _on_one_mesh(inputs: Conv3dInputs) -> Conv3dInputs:
+  """On a mesh with explicitly typed axes, the inputs sharded along no axis (weights, NumPy
+  arrays) are placed on it, replicated: there JAX cannot give the weight gradient of a
+  convolution a sharding unless every operand is on the mesh."""
+  meshes = [jax.typeof(a).sharding.mesh for a in inputs if a is not None]
+  mesh = next((m for m in meshes if not m.empty), jax.sharding.get_abstract_mesh())
+  if mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return inputs
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  unsharded = lambda a: not any(jax.typeof(a).sharding.spec)
+  return Conv3dInputs(*(jax.sharding.reshard(a, whole) if a is not None and unsharded(a)
+                        else a for a in inputs))
+
+
 def _run_xla(call: Conv3dCall, x: Conv3dInputs):
   from cudnn_jax.reference import conv3d as ref  # pylint: disable=g-import-not-at-top
+  x = _on_one_mesh(x)
   y = ref.conv3d(*x, padding=call.padding, strides=call.strides, dilation=call.dilation,
                  norm=call.norm, num_groups=call.num_groups, eps=call.eps,
                  activation=call.activation)
