@@ -105,7 +105,7 @@ def ours(x, backward, engine):
           None if backward else fn(*args))
 
 
-# The engine's jax.named_scope stages (cudnn_jax/reference/kda.py).
+# The engines' jax.named_scope stages (cudnn_jax/reference/kda.py, cudnn_jax/triton/kda.py).
 STAGES = ("kda_intra", "kda_state_scan", "kda_output", "kda_state_scan_bwd", "kda_output_bwd",
           "kda_intra_bwd")
 
@@ -143,8 +143,8 @@ def print_intra(shape, variants=INTRA_VARIANTS):
   G = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(keys[3], dims + (shape.k,))) / 8, -2)
   beta = jax.random.uniform(keys[4], dims + (1,))
   args, dt = (q, k, v, G, beta), jnp.dtype(jnp.bfloat16)
-  reference = lambda *a: ref._intra(*a, dt)  # pylint: disable=protected-access
-  by_sub_blocks = lambda *a: ref._intra(*a, dt, by_sub_blocks=True)  # pylint: disable=protected-access
+  reference = lambda *a: ref.intra(*a, dt)
+  by_sub_blocks = lambda *a: ref.intra(*a, dt, by_sub_blocks=True)
   fwd = jax.jit(reference)
   want = fwd(*args)
   print(f"intra-chunk stage {shape}, chunk {c}, bf16 pair products")

@@ -135,7 +135,7 @@ def check_gradients(cfg, arrays, kwargs, *, rtol, atol, seed=0):
 
 
 def check_intra_kernel(intra, c, kd, vd, dt, steep=False, lead=(2, 3)):
-  """``intra(q, k, v, G, b, dt)`` (a kernel for ``reference.kda._intra``) against the
+  """``intra(q, k, v, G, b, dt)`` (a kernel for ``reference.kda.intra``) against the
   reference on random chunks, every output: gates that decay gently, or by up to e^-5 a
   token (steep: pair factors that underflow)."""
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
@@ -147,7 +147,7 @@ def check_intra_kernel(intra, c, kd, vd, dt, steep=False, lead=(2, 3)):
   G = jnp.cumsum(-decay, -2)
   b = jnp.asarray(rng.random(lead + (c, 1)), jnp.float32)
   dt = jnp.dtype(dt)
-  want = ref._intra(q, k, v, G, b, dt)  # pylint: disable=protected-access
+  want = ref.intra(q, k, v, G, b, dt)
   got = intra(q, k, v, G, b, dt)
   # bfloat16: both round the pair products' operands, at different points.
   tol = 1e-5 if dt == jnp.float32 else 1e-2

@@ -1,6 +1,6 @@
 """The Pallas kernels of the kda "triton" engine (cudnn_jax/triton/), run by the Pallas
-interpreter on any backend, alone against float64 NumPy and inside the whole op (values and
-gradients) against the xla engine, and lowered to Triton for an sm_90 GPU."""
+interpreter on any backend, alone against float64 NumPy and inside the whole engine (values
+and gradients) against the xla engine, and lowered to Triton for an sm_90 GPU."""
 
 import functools
 
@@ -10,20 +10,10 @@ import numpy as np
 import pytest
 
 import cudnn_jax
+from cudnn_jax.triton import kda as triton_kda
 from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan
 from cudnn_jax.reference import kda as ref
 from kda_cases import check_intra_kernel
-
-leaves_interpreted = ref.PairLeaves(fwd=functools.partial(kda_pairs.pairs, interpret=True),
-                                    bwd=functools.partial(kda_pairs.pairs_bwd, interpret=True))
-# The kernels in the interpreter: the scan with the pair leaves, or with the preprocessing
-# and the whole intra-chunk stage.
-with_leaves = ref.FusedKernels(
-    scan_output=functools.partial(kda_scan.scan_output, interpret=True),
-    scan_bwd=functools.partial(kda_scan.scan_bwd, interpret=True),
-    pair_leaves=leaves_interpreted)
-with_intra = with_leaves._replace(intra=functools.partial(kda_intra.intra, interpret=True),
-                                  chunks=functools.partial(kda_chunks.chunks, interpret=True))
 
 
 @pytest.mark.parametrize("n,kd", [(16, 8), (8, 32)])
@@ -41,8 +31,8 @@ def test_pair_leaves_match_float64(n, kd):
   want_dx = np.einsum("...ts,...sk,...tsk->...tk", dM, y, decay)
   want_dy = np.einsum("...ts,...tk,...tsk->...sk", dM, x, decay)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  got = leaves_interpreted.fwd(f32(x), f32(y), f32(G))
-  got_dx, got_dy = leaves_interpreted.bwd(f32(dM), f32(x), f32(y), f32(G))
+  got = kda_pairs.pairs(f32(x), f32(y), f32(G), interpret=True)
+  got_dx, got_dy = kda_pairs.pairs_bwd(f32(dM), f32(x), f32(y), f32(G), interpret=True)
   for g_, w_ in ((got, want), (got_dx, want_dx), (got_dy, want_dy)):
     np.testing.assert_allclose(g_, w_, rtol=1e-5, atol=1e-5)
 
@@ -82,11 +72,16 @@ def test_chunks_kernel_matches_reference(kg, dtype, l2norm_qk):
     np.testing.assert_array_equal(g_, w_)
 
 
-@pytest.mark.parametrize("fused", [with_leaves, with_intra], ids=["leaves", "intra"])
+# The backward's pair sums: by 16-token sub-blocks while the gates allow (gentle gates
+# here), else by the hierarchy with its leaves as kernels (kda_pairs.py; forced by a span
+# limit of 0).
+@pytest.mark.parametrize("span_limit", [ref.SPAN_LIMIT, 0.0], ids=["sub_blocks", "hierarchy"])
 @pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
-def test_engine_with_kernels_matches_xla_engine(vd, fused):
-  """The op with the kernels against the xla engine: output, final state, and gradients
-  of every differentiable input, with a partial last chunk; the forward pass alone too."""
+def test_engine_matches_xla_engine(vd, span_limit, monkeypatch):
+  """The triton engine, its kernels interpreted, against the xla engine: output, final
+  state, and gradients of every differentiable input, with a partial last chunk; the
+  forward pass alone too."""
+  monkeypatch.setattr(ref, "SPAN_LIMIT", span_limit)
   rng = np.random.default_rng(1)
   b, t, h, kd = 2, 80, 2, 16
   f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -96,21 +91,48 @@ def test_engine_with_kernels_matches_xla_engine(vd, fused):
   kw = dict(scale=kd ** -0.5, qk_l2norm=True, gate_in_kernel=True, a_log=a_log,
             beta_sigmoid=True, initial_state=init)
   w_o, w_f = f32(b, t, h, vd), f32(b, h, kd, vd)
+  engines = dict(triton=functools.partial(triton_kda.kda, interpret=True), xla=ref.kda)
 
-  def loss(fused, q, k, v, g, beta):
-    o, final = ref.kda(q, k, v, g, beta, fused=fused, **kw)
+  def loss(engine, q, k, v, g, beta):
+    o, final = engines[engine](q, k, v, g, beta, **kw)
     return jnp.sum(o * w_o) + jnp.sum(final * w_f)
 
   args = (q, k, v, g, beta)
   grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
-  got, want = grad(fused, *args), grad(None, *args)
-  got += ref.kda(*args, fused=fused, **kw),  # not differentiated: no states written
+  got, want = grad("triton", *args), grad("xla", *args)
+  got += engines["triton"](*args, **kw),  # not differentiated: no states written
   want += ref.kda(*args, **kw),
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_engine_declines_off_gpu():
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_engine_packed_sequences_and_scalar_gate(op):
+  """Packed sequences (the reference's scans around the kernels) and gdn's scalar gate
+  (broadcast over the key channels), values and gradients, against the xla engine."""
+  rng = np.random.default_rng(2)
+  t, h, kd, vd = 70, 2, 16, 16
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  gate_dims = (kd,) if op == "kda" else (1,)
+  cu = jnp.asarray([0, 5, 5, 50, t], jnp.int32)
+  q, k, v = f32(1, t, h, kd), f32(1, t, h, kd), f32(1, t, h, vd)
+  g, beta = f32(1, t, h, *gate_dims), f32(1, t, h)
+  kw = dict(scale=0.3, qk_l2norm=True, gate_in_kernel=True, a_log=0.5 * f32(h),
+            dt_bias=f32(h, gate_dims[0]), beta_sigmoid=True, initial_state=f32(4, h, kd, vd),
+            cu_seqlens=cu)
+  engines = dict(triton=functools.partial(triton_kda.kda, interpret=True), xla=ref.kda)
+
+  def loss(engine, *args):
+    o, final = engines[engine](*args, **kw)
+    return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.sin(final))
+
+  grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
+  got, want = (grad(e, q, k, v, g, beta) for e in ("triton", "xla"))
+  for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_declines_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("on a GPU the engine serves")
   q = jnp.ones((1, 16, 1, 8), jnp.float32)
@@ -121,7 +143,8 @@ def test_fused_engine_declines_off_gpu():
 
 def test_kernels_lower_to_triton_for_sm90():
   """The Pallas-to-Triton lowering (what XLA compiles on the GPU) succeeds without a GPU,
-  at K = V = 128 and a chunk count that is not a power of two."""
+  at K = V = 128 and a chunk count that is not a power of two, kernel by kernel and for the
+  whole engine."""
   try:
     from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -156,9 +179,13 @@ def test_kernels_lower_to_triton_for_sm90():
     chunks = export(jax.jit(lambda *x: kda_chunks.chunks(*x, 0.1, True, c)))(
         tokens(1, bf16), tokens(1, bf16), tokens(hv, bf16), tokens(hv),
         s(b, nc * c - 5, hv, 1))
+    # The whole engine, forward and gradients (both branches of the span's cond).
+    engine = lambda *x: jnp.sum(triton_kda.kda(*x, scale=0.1, qk_l2norm=True)[0])
+    whole = export(jax.jit(jax.value_and_grad(engine, argnums=(0, 1, 2, 3, 4))))(
+        tokens(1, bf16), tokens(1, bf16), tokens(hv, bf16), tokens(hv), s(b, nc * c - 5, hv))
   finally:
     registration.gpu_info_lib.get_gpu_info = original
-  for exported in (scan, scan_alone, scan_bwd, pairs, pairs_bwd, intra, chunks):
+  for exported in (scan, scan_alone, scan_bwd, pairs, pairs_bwd, intra, chunks, whole):
     assert "xla.gpu.triton" in exported.mlir_module()
 
 

@@ -27,7 +27,7 @@ class KdaInputs(NamedTuple):
   beta: jax.Array
   initial_state: jax.Array | None = None
   a_log: jax.Array | None = None
-  dt_bias: jax.Array | None = None
+  dt_bias: jax.Array | None = None  # [HV,K], or [HV,1] for the scalar gate
   cu_seqlens: jax.Array | None = None
 
 
@@ -147,6 +147,8 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
       varlen=cu_seqlens is not None, chunk_size=int(chunk_size))
   if scalar_gate:
     g = g[..., None]
+  if dt_bias is not None:
+    dt_bias = dt_bias.reshape(hv, -1)
   inputs = KdaInputs(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
   return call, inputs
 
@@ -203,63 +205,38 @@ def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   return _apply("gdn", q, k, v, g, beta, kwargs)
 
 
-def _run_xla(call: KdaCall, x: KdaInputs, fused=None):
+def _options(call: KdaCall, x: KdaInputs):
+  """The engines' keyword arguments."""
+  return dict(scale=call.scale, initial_state=x.initial_state, qk_l2norm=call.qk_l2norm,
+              gate_in_kernel=call.gate_in_kernel, a_log=x.a_log, dt_bias=x.dt_bias,
+              lower_bound=call.lower_bound, beta_sigmoid=call.beta_sigmoid,
+              allow_neg_eigval=call.allow_neg_eigval, cu_seqlens=x.cu_seqlens,
+              chunk_size=call.chunk_size)
+
+
+def _run_xla(call: KdaCall, x: KdaInputs):
   from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
-  return ref.kda(
-      x.q, x.k, x.v, x.g, x.beta, scale=call.scale, initial_state=x.initial_state,
-      qk_l2norm=call.qk_l2norm, gate_in_kernel=call.gate_in_kernel, a_log=x.a_log,
-      dt_bias=x.dt_bias, lower_bound=call.lower_bound, beta_sigmoid=call.beta_sigmoid,
-      allow_neg_eigval=call.allow_neg_eigval, cu_seqlens=x.cu_seqlens,
-      chunk_size=call.chunk_size, fused=fused)
+  return ref.kda(x.q, x.k, x.v, x.g, x.beta, **_options(call, x))
+
+
+# "triton": our Pallas kernels compiled by XLA through Triton (cudnn_jax/triton/kda.py
+# composes them with the xla engine's stages), the default on a GPU. gdn runs as kda, its
+# per-head gate broadcast over the key channels.
+
+
+def _supports_triton(call: KdaCall) -> str | None:
+  if (backend := jax.default_backend()) != "gpu":
+    return f"default backend is {backend!r}, not 'gpu'"
+  from cudnn_jax.triton import kda as triton_kda  # pylint: disable=g-import-not-at-top
+  return triton_kda.supports(call.chunk_size, call.k, call.v)
+
+
+def _run_triton(call: KdaCall, x: KdaInputs):
+  from cudnn_jax.triton import kda as triton_kda  # pylint: disable=g-import-not-at-top
+  return triton_kda.kda(x.q, x.k, x.v, x.g, x.beta, **_options(call, x))
 
 
 for _op in ("kda", "gdn"):
   engines.register_op(_op, lambda *a, _op=_op, **kw: _prepare(*a, op=_op, **kw)[0])
+  engines.register_engine(_op, "triton", supports=_supports_triton, run=_run_triton)
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
-
-
-# "triton", our own GPU kernels, the default on a GPU: the xla engine with stages as Pallas
-# kernels compiled by XLA through Triton (cudnn_jax/triton/): the preprocessing, tokens to
-# normalized float32 chunks with the gates summed (kda_chunks.py); the forward's
-# intra-chunk stage, one program per chunk and head (kda_intra.py; its VJP as a kernel was
-# slower than jax.vjp of XLA's stage, which the backward differentiates); the state
-# recurrence with the outputs, forward, and the recurrence backward, one program per
-# sequence, head and 64 (or 32) value columns (kda_scan.py; packed sequences keep the XLA
-# scan); the backward's pair sums within 16-token sub-blocks when the gates decay too fast
-# for one product per sub-block (kda_pairs.py). On an H200 at B=8 T=4096 H=16 K=V=128 bf16,
-# back to back: forward 2.7 ms, forward+backward 15.4 (xla engine 7.4 and 21.5; FLA 1.95
-# and 9.8; stage by stage figures in bench/NOTES.md). gdn runs as kda with its gate
-# broadcast over the key channels: forward 2.9 ms, forward+backward 15.4 (xla 5.8, 14.8).
-
-
-def _supports_fused(call: KdaCall) -> str | None:
-  if (backend := jax.default_backend()) != "gpu":
-    return f"default backend is {backend!r}, not 'gpu'"
-  # Triton blocks are powers of two in every dimension, 16 at least for its dots.
-  if any(d < 16 or d & (d - 1) for d in (call.chunk_size, call.k, call.v)):
-    return (f"chunk_size={call.chunk_size}, K={call.k}, V={call.v}: powers of two from 16 "
-            "only")
-  return None
-
-
-def _run_fused(call: KdaCall, x: KdaInputs):
-  from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan  # pylint: disable=g-import-not-at-top
-  from cudnn_jax.reference import kda as ref  # pylint: disable=g-import-not-at-top
-  return _run_xla(call, x, fused=ref.FusedKernels(chunks=kda_chunks.chunks,
-                                                  scan_output=kda_scan.scan_output,
-                                                  scan_bwd=kda_scan.scan_bwd,
-                                                  pair_leaves=kda_pairs.LEAVES,
-                                                  intra=kda_intra.intra))
-
-
-def _run_fused_gdn(call: KdaCall, x: KdaInputs):
-  # GDN's per-head decay is KDA's per-channel decay, the same on every key channel: with
-  # a scalar gate a_t, a_t (I - b k k^T) = (I - b k k^T) diag(a_t). Broadcast before the
-  # gating (dt_bias [HV] then broadcasts over the channels too), the gradient of g sums
-  # over them.
-  b, t, hv, _ = x.g.shape
-  return _run_fused(call, x._replace(g=jnp.broadcast_to(x.g, (b, t, hv, call.k))))
-
-
-engines.register_engine("kda", "triton", supports=_supports_fused, run=_run_fused)
-engines.register_engine("gdn", "triton", supports=_supports_fused, run=_run_fused_gdn)

@@ -24,7 +24,7 @@ only drops a vanishing term). Each level is one [h, K] x [K, a] product per sub-
 its gradients are the same products transposed; the leaves are the diagonal t = s.
 While the gates decay by at most SPAN_LIMIT over any 16-token sub-block, one product per
 sub-block through the token before it pairs all of its tokens instead
-(``_by_span`` picks, with ``lax.cond``).
+(``by_span`` picks, with ``lax.cond``).
 
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
@@ -34,6 +34,11 @@ bf16 operands for bf16 inputs; every product accumulates in float32.
 Packed sequences (``cu_seqlens``) are laid out so each sequence starts on a chunk
 boundary (zero padding: g = 0, beta = 0, k = 0 leave the state unchanged); the scan resets
 the state at each sequence's first chunk and records it after its last.
+
+Every stage is a plain function of arrays (``gated_tokens``, ``to_chunks``, ``intra``,
+``state_scan``, ``outputs``, and backwards ``state_scan_bwd``, ``output_grads``), so that
+an engine with kernels for some stages (cudnn_jax/triton/kda.py) composes its chunked pass
+from the others.
 """
 
 from __future__ import annotations
@@ -57,14 +62,13 @@ def l2norm(x):
 
 
 def gate(g, a_log, dt_bias, lower_bound):
-  """Raw gate ``g [..., HV, Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV*Kg]`` or None.
+  """Raw gate ``g [..., HV, Kg]`` -> log decay; ``a_log [HV]``, ``dt_bias [HV, Kg]`` or None.
 
   ``-exp(a_log) * softplus(g + dt_bias)``, or with ``lower_bound`` lb
   ``lb * sigmoid(exp(a_log) * (g + dt_bias))`` (no ``exp(a_log)`` factor when a_log is None).
   """
-  hv = g.shape[-2]
   if dt_bias is not None:
-    g = g + dt_bias.reshape(hv, -1)
+    g = g + dt_bias
   a = None if a_log is None else jnp.exp(a_log)[:, None]
   if lower_bound is None:
     return -a * jax.nn.softplus(g)
@@ -95,12 +99,17 @@ def _levels(c):
   return out
 
 
-def _blocks(z, n):
+def leaf_size(c):
+  """Tokens in a sub-block of the hierarchy's first level (16 at C = 64, 8 at C = 32)."""
+  return _levels(c)[0][1]
+
+
+def blocks(z, n):
   """[..., C, D] -> [..., C/n, n, D]."""
   return z.reshape(*z.shape[:-2], z.shape[-2] // n, n, z.shape[-1])
 
 
-def _diagonal_blocks(W, n):
+def diagonal_blocks(W, n):
   """The n x n blocks on the diagonal of W [..., C, C]: [..., C/n, n, n]."""
   p = W.shape[-1] // n
   if p == 1:
@@ -109,7 +118,7 @@ def _diagonal_blocks(W, n):
   return jnp.moveaxis(jnp.diagonal(W, axis1=-4, axis2=-2), -1, -3)
 
 
-def _block_diagonal(M):
+def block_diagonal(M):
   """[..., p, n, n] -> [..., p n, p n] with those blocks on the diagonal."""
   *lead, p, n, _ = M.shape
   if p > 1:
@@ -125,7 +134,7 @@ def _block_diagonal(M):
 
 def _cross(x, y, G, n, h, dt):
   """``M_ts = sum_k x_t y_s e^{G_t - G_s}`` over one level's pairs: [..., C, C]."""
-  xb, yb, Gb = (_blocks(z, n) for z in (x, y, G))
+  xb, yb, Gb = (blocks(z, n) for z in (x, y, G))
   rows = [jnp.zeros((*xb.shape[:-2], h, n), jnp.float32)]
   for a in range(h, n, h):
     ref = Gb[..., a - 1:a, :]
@@ -133,12 +142,12 @@ def _cross(x, y, G, n, h, dt):
     ys = yb[..., :a, :] * jnp.exp(ref - Gb[..., :a, :])
     block = _mm(xs, ys.mT, dt)  # [..., h, a]
     rows.append(jnp.pad(block, [(0, 0)] * (block.ndim - 1) + [(0, n - a)]))
-  return _block_diagonal(jnp.concatenate(rows, axis=-2))
+  return block_diagonal(jnp.concatenate(rows, axis=-2))
 
 
 def _cross_rows(W, y, G, n, h, dt):
   """``out_t = sum_s W_ts y_s e^{G_t - G_s}`` over one level's pairs: [..., C, K]."""
-  Wb, yb, Gb = _diagonal_blocks(W, n), _blocks(y, n), _blocks(G, n)
+  Wb, yb, Gb = diagonal_blocks(W, n), blocks(y, n), blocks(G, n)
   out = [jnp.zeros_like(yb[..., :h, :])]
   for a in range(h, n, h):
     ref = Gb[..., a - 1:a, :]
@@ -149,7 +158,7 @@ def _cross_rows(W, y, G, n, h, dt):
 
 def _cross_cols(W, x, G, n, h, dt):
   """``out_s = sum_t W_ts x_t e^{G_t - G_s}`` over one level's pairs: [..., C, K]."""
-  Wb, xb, Gb = _diagonal_blocks(W, n), _blocks(x, n), _blocks(G, n)
+  Wb, xb, Gb = diagonal_blocks(W, n), blocks(x, n), blocks(G, n)
   out = []
   for e in range(h, n, h):
     ref = Gb[..., e - 1:e, :]
@@ -159,23 +168,29 @@ def _cross_cols(W, x, G, n, h, dt):
   return jnp.concatenate(out, axis=-2).reshape(x.shape)
 
 
-class PairLeaves(NamedTuple):
-  """The strict pair sums within each block of the hierarchy's first level (16 tokens at
-  C = 64): ``fwd(x, y, G, dt) -> M [..., n, n]`` for x, y, G ``[..., n, K]``, and its
-  gradient ``bwd(dM, x, y, G, dt) -> (dx, dy)`` (G's follows: ``x dx - y dy``)."""
-  fwd: object
-  bwd: object
+def across_leaves(x, y, G, dt):
+  """The pair sums between different sub-blocks of the first level: [..., C, C]."""
+  n, h = _levels(G.shape[-2])[0]
+  return _cross(x, y, G, n, h, dt)
 
 
-def _leaf_pairs(x, y, G, dt):
-  """``PairLeaves.fwd`` by the rest of the hierarchy (e.g. 16 -> 4 -> 1 tokens)."""
+def across_leaves_grads(dM, x, y, G, dt):
+  """``(dx, dy)``: the gradients of ``across_leaves`` for ``dM [..., C, C]``."""
+  n, h = _levels(G.shape[-2])[0]
+  return _cross_rows(dM, y, G, n, h, dt), _cross_cols(dM, x, G, n, h, dt)
+
+
+def leaf_pairs(x, y, G, dt):
+  """The strict pair sums within sub-blocks ``[..., n, K]`` of the first level (n = 16 at
+  C = 64), by the rest of the hierarchy (16 -> 4 -> 1 tokens): ``M [..., n, n]``."""
   levels = _levels(G.shape[-2])
   if not levels:  # one-token blocks: no pairs
     return jnp.zeros(G.shape[:-1] + G.shape[-2:-1], jnp.float32)
   return sum(_cross(x, y, G, n, h, dt) for n, h in levels)
 
 
-def _leaf_pairs_bwd(dM, x, y, G, dt):
+def leaf_pairs_grads(dM, x, y, G, dt):
+  """``(dx, dy)``: the gradients of ``leaf_pairs`` (G's follows: ``x dx - y dy``)."""
   levels = _levels(G.shape[-2])
   if not levels:
     return jnp.zeros_like(x), jnp.zeros_like(y)
@@ -183,32 +198,35 @@ def _leaf_pairs_bwd(dM, x, y, G, dt):
           sum(_cross_cols(dM, x, G, n, h, dt) for n, h in levels))
 
 
-XLA_LEAVES = PairLeaves(fwd=_leaf_pairs, bwd=_leaf_pairs_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _strict_pair(x, y, G, dt, leaves):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def strict_pair(x, y, G, dt):
   """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t, per-channel G: the
-  first level of the hierarchy, then ``leaves`` within its sub-blocks."""
-  n, h = _levels(G.shape[-2])[0]
-  inner = leaves.fwd(*(_blocks(z, h) for z in (x, y, G)), dt)
-  return _cross(x, y, G, n, h, dt) + _block_diagonal(inner)
+  first level of the hierarchy, then the leaves within its sub-blocks."""
+  h = leaf_size(G.shape[-2])
+  inner = leaf_pairs(*(blocks(z, h) for z in (x, y, G)), dt)
+  return across_leaves(x, y, G, dt) + block_diagonal(inner)
 
 
-def _strict_pair_fwd(x, y, G, dt, leaves):
-  return _strict_pair(x, y, G, dt, leaves), (x, y, G)
+def _strict_pair_fwd(x, y, G, dt):
+  return strict_pair(x, y, G, dt), (x, y, G)
 
 
-def _strict_pair_bwd(dt, leaves, res, dM):
+def _strict_pair_bwd(dt, res, dM):
   x, y, G = res
-  n, h = _levels(G.shape[-2])[0]
-  dx_in, dy_in = leaves.bwd(_diagonal_blocks(dM, h), *(_blocks(z, h) for z in (x, y, G)), dt)
-  dx = _cross_rows(dM, y, G, n, h, dt) + dx_in.reshape(x.shape)
-  dy = _cross_cols(dM, x, G, n, h, dt) + dy_in.reshape(y.shape)
+  h = leaf_size(G.shape[-2])
+  dx_in, dy_in = leaf_pairs_grads(diagonal_blocks(dM, h), *(blocks(z, h) for z in res), dt)
+  dx_across, dy_across = across_leaves_grads(dM, x, y, G, dt)
+  dx = dx_across + dx_in.reshape(x.shape)
+  dy = dy_across + dy_in.reshape(y.shape)
   return dx, dy, x * dx - y * dy  # G enters as +G_t and -G_s
 
 
-_strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
+strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
+
+
+def with_diagonal(M, x, y):
+  """``M`` plus the pairs t = s: ``sum_k x_t y_t`` on the diagonal."""
+  return M + jnp.eye(M.shape[-1], dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
 
 
 # The same pair sums as one product per 16-token sub-block: token t of sub-block i meets
@@ -218,14 +236,14 @@ _strict_pair.defvjp(_strict_pair_fwd, _strict_pair_bwd)
 # sub-block and r. While every span is at most SPAN_LIMIT, every factor stays far inside
 # float32's and bfloat16's range (e^+-60 ~ 1e+-26 against e^+-87) and the form is as exact
 # as the hierarchy, with two products in place of its levels and plain autodiff for its
-# gradients. ``_intra(..., by_sub_blocks=True)`` takes it; callers check ``max_span``.
+# gradients. ``intra(..., by_sub_blocks=True)`` takes it; ``by_span`` checks ``max_span``.
 SUB = 16
 SPAN_LIMIT = 60.0
 
 
 def _sub_block_refs(G):
   """(G_r [..., C/SUB, Kg] for each sub-block's r, G as sub-blocks [..., C/SUB, SUB, Kg])."""
-  Gb = _blocks(G, SUB)
+  Gb = blocks(G, SUB)
   return jnp.concatenate([jnp.zeros_like(Gb[..., :1, 0, :]), Gb[..., :-1, -1, :]], -2), Gb
 
 
@@ -235,29 +253,27 @@ def max_span(G):
   return jnp.max(Gr - Gb[..., -1, :], initial=0.0)
 
 
-def _pair_by_sub_blocks(x, y, G, dt):
+def pair_by_sub_blocks(x, y, G, dt):
   """``M_ts`` for every s up to the end of t's sub-block (above the diagonal too): [..., C, C]."""
   c = G.shape[-2]
   Gr, Gb = _sub_block_refs(G)
-  xs = _blocks(x, SUB) * jnp.exp(Gb - Gr[..., None, :])  # [..., C/SUB, SUB, K], factors <= 1
+  xs = blocks(x, SUB) * jnp.exp(Gb - Gr[..., None, :])  # [..., C/SUB, SUB, K], factors <= 1
   upto = SUB * (jnp.arange(c // SUB)[:, None] + 1) > jnp.arange(c)  # [C/SUB, C]
   up = jnp.where(upto[:, :, None], Gr[..., None, :] - G[..., None, :, :], -jnp.inf)
   ys = y[..., None, :, :] * jnp.exp(up)  # [..., C/SUB, C, K], factors <= e^span
   return _mm(xs, ys.mT, dt).reshape(G.shape[:-2] + (c, c))
 
 
-def _pair(x, y, G, dt, diagonal, leaves=XLA_LEAVES, by_sub_blocks=False):
+def pair(x, y, G, dt, diagonal, by_sub_blocks=False):
   """``M_ts = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]}`` for s < t (s <= t if diagonal)."""
   c = G.shape[-2]
   keep = _causal(c, strict=not diagonal)
   if G.shape[-1] == 1:  # scalar gate: the decay factors out of the sum
     return _mm(x, y.mT, dt) * jnp.exp(jnp.where(keep, G - G.mT, -jnp.inf))  # masked first
   if by_sub_blocks:
-    return jnp.where(keep, _pair_by_sub_blocks(x, y, G, dt), 0.0)
-  M = _strict_pair(x, y, G, dt, leaves)
-  if diagonal:
-    M = M + jnp.eye(c, dtype=M.dtype) * jnp.sum(x * y, -1)[..., :, None]
-  return M
+    return jnp.where(keep, pair_by_sub_blocks(x, y, G, dt), 0.0)
+  M = strict_pair(x, y, G, dt)
+  return with_diagonal(M, x, y) if diagonal else M
 
 
 def _unit_lower_inverse(L):
@@ -317,23 +333,31 @@ class Intra(NamedTuple):
   dec: jax.Array  # [..., Kg]    e^{G_C}
 
 
-@jax.named_scope("kda_intra")  # scopes name the stages in profiles
-def _intra(q, k, v, G, b, dt, leaves=XLA_LEAVES, by_sub_blocks=False):
-  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype;
-  ``leaves`` the pair sums within the first level's sub-blocks; ``by_sub_blocks``: the
-  pair sums by sub-blocks instead (exact only while ``max_span(G) <= SPAN_LIMIT``)."""
-  c = G.shape[-2]
-  eG = jnp.exp(G)
-  pair = functools.partial(_pair, leaves=leaves, by_sub_blocks=by_sub_blocks)
-  L = jnp.eye(c, dtype=jnp.float32) + b * pair(k, k, G, dt, False)
+def solve_writes(k, v, b, eG, A):
+  """``(w, U) = T (beta k e^G, beta v)``, ``T = (I + beta A)^-1``, from the strict k-k pair
+  sums ``A`` (``pair``); ``b`` is beta [..., C, 1], ``eG`` is e^G."""
+  L = jnp.eye(A.shape[-1], dtype=jnp.float32) + b * A
   wU = _unit_lower_solve(L, jnp.concatenate([b * k * eG, b * v], -1))
-  w, U = wU[..., :k.shape[-1]], wU[..., k.shape[-1]:]
-  P = pair(q, k, G, dt, True)
+  return wU[..., :k.shape[-1]], wU[..., k.shape[-1]:]
+
+
+def with_decays(q, k, G, eG, w, U, P):
+  """The ``Intra`` of the solved writes and the causal q-k pair sums ``P``."""
   return Intra(w=w, U=U, P=P, qg=q * eG, kd=k * jnp.exp(G[..., -1:, :] - G),
                dec=jnp.exp(G[..., -1, :]))
 
 
-def _by_span(stage, G):
+@jax.named_scope("kda_intra")  # scopes name the stages in profiles
+def intra(q, k, v, G, b, dt, by_sub_blocks=False):
+  """Intra-chunk quantities. ``b`` is beta [..., C, 1]; ``dt`` the matmul operand dtype;
+  ``by_sub_blocks``: the pair sums by sub-blocks instead of the hierarchy (exact only
+  while ``max_span(G) <= SPAN_LIMIT``)."""
+  eG = jnp.exp(G)
+  w, U = solve_writes(k, v, b, eG, pair(k, k, G, dt, False, by_sub_blocks))
+  return with_decays(q, k, G, eG, w, U, pair(q, k, G, dt, True, by_sub_blocks))
+
+
+def by_span(stage, G):
   """``stage(by_sub_blocks)``: by sub-blocks when the gates allow (``max_span(G) <=
   SPAN_LIMIT``), by the hierarchy otherwise; one branch of a ``lax.cond`` runs."""
   if SPAN_LIMIT is None or G.shape[-1] == 1 or G.shape[-2] % SUB:
@@ -365,8 +389,9 @@ def _chunk_cumsum(x):
 
 
 @jax.named_scope("kda_state_scan")
-def _state_scan(it: Intra, init, seg, dt):
-  """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V]."""
+def state_scan(it: Intra, init, seg, dt):
+  """Chunk-entry states [NC,B,HV,K,V] and final states [N,HV,K,V]; ``seg`` a ``Segments``
+  (packed sequences, B = 1) or None (one sequence per batch row, N = B)."""
   prec = matmul_precision(dt)
 
   def step(carry, x):
@@ -389,70 +414,20 @@ def _state_scan(it: Intra, init, seg, dt):
   return states, finals
 
 
-class FusedKernels(NamedTuple):
-  """Kernels that replace stages (None: the stage runs in XLA).
-
-  ``chunks(q, k, v, g, beta, scale, l2norm, c) -> (q, k, v, G, beta)``: ``to_chunks``.
-  ``scan_output(w, U, kd, dec, qg, P, init, *, precision, with_states) -> (o, states,
-  final)``: the state recurrence and the outputs of the forward pass, one sequence per
-  batch row (not for packed sequences); states None unless ``with_states`` (a forward pass
-  that is differentiated). ``scan_bwd(do, qg, w, kd, dec, P, dfinal, *, precision) -> (dS,
-  du, dinit)``: the backward pass's recurrence, likewise. ``pair_leaves``: ``PairLeaves``
-  for the pair sums within 16-token sub-blocks, forward and backward. ``intra(q, k, v, G,
-  b, dt) -> Intra``: the forward's intra-chunk stage (per-channel gates); the backward
-  recomputes and differentiates the XLA stage.
-  """
-  chunks: object = None
-  scan_output: object = None
-  scan_bwd: object = None
-  pair_leaves: PairLeaves = XLA_LEAVES
-  intra: object = None
+@jax.named_scope("kda_output")
+def outputs(it: Intra, S, dt):
+  """The outputs ``o [B,NC*C,HV,V]`` in dt from the chunk-entry states ``S``."""
+  u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
+  o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
+  return from_chunk_layout(o.astype(dt))
 
 
-def _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=True):
-  fused = fused or FusedKernels()
-  if fused.intra is not None and G.shape[-1] > 1:  # the kernel: per-channel gates
-    with jax.named_scope("kda_intra"):
-      it = fused.intra(q, k, v, G, beta, dt)
-  else:
-    it = _by_span(functools.partial(_intra, q, k, v, G, beta, dt, fused.pair_leaves), G)
-  if fused.scan_output is not None and seg is None:
-    o, S, final = fused.scan_output(it.w, it.U, it.kd, it.dec, it.qg, it.P, init, o_dtype=dt,
-                                    precision=matmul_precision(dt), with_states=with_states)
-  else:
-    S, final = _state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
-    with jax.named_scope("kda_output"):
-      u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
-      o = _mm(it.qg, S, dt) + _mm(it.P, u, dt)
-      o = _from_chunks(o.astype(dt))
-  return (o, final), (q, k, v, G, beta, init, seg, S)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked(dt, fused, q, k, v, G, beta, init, seg):
-  """``o [B,NC*C,HV,V]`` in dt and final states ``[N,HV,K,V]`` float32.
-
-  q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; G [NC,B,HV,C,Kg] (the log decays summed
-  along each chunk); beta [NC,B,HV,C,1]; init [N,HV,K,V]; seg a ``Segments`` (B = 1) or
-  None (then N = B, one sequence per row); dt the dtype of the chunk-parallel matmul
-  operands; fused None or ``FusedKernels``.
-  """
-  return _chunked_fwd(dt, fused, q, k, v, G, beta, init, seg, with_states=False)[0]
-
-
-def _chunked_bwd(dt, fused, res, cts):
-  # The whole pass in each branch of the span's lax.cond: the residuals of the recomputed
-  # intra stage stay inside the branch (a cond under jax.vjp would return both branches').
-  return _by_span(functools.partial(_backward, dt, fused or FusedKernels(), res, cts), res[3])
-
-
-def _backward(dt, fused, res, cts, by_sub_blocks):
-  q, k, v, G, beta, init, seg, S = res
-  do, dfinal = cts
-  do = _to_chunks(do, q.shape[-2]).astype(jnp.float32)
+@jax.named_scope("kda_state_scan_bwd")
+def state_scan_bwd(it: Intra, do, dfinal, init, seg, dt):
+  """``(dS, dinit)``: the gradients of the chunk-exit states [NC,B,HV,K,V] and of the
+  initial states, for output gradients ``do`` (chunks [NC,B,HV,C,V], float32) and final
+  state gradients ``dfinal``."""
   prec = matmul_precision(dt)
-  it, intra_vjp = jax.vjp(
-      lambda *a: _intra(*a, dt, fused.pair_leaves, by_sub_blocks), q, k, v, G, beta)
 
   def step(carry, x):
     dS, dinit = carry
@@ -467,47 +442,90 @@ def _backward(dt, fused, res, cts, by_sub_blocks):
       dS_in = jnp.where(_bcast(reset, dS_in), 0.0, dS_in)
     return (dS_in, dinit), dS
 
-  xs = (do, it.qg, it.w, it.kd, it.dec, it.P)  # dS_out below: grads of chunk-exit states
-  du = None  # the kernel gives it; the XLA scan leaves it to the output stage
-  with jax.named_scope("kda_state_scan_bwd"):
-    if fused.scan_bwd is not None and seg is None:
-      dS_out, du, dinit = fused.scan_bwd(*xs, dfinal, precision=prec)
-    elif seg is None:
-      (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
-    else:
-      xs += tuple(seg[:3])
-      carry = (jnp.zeros((1,) + init.shape[1:], init.dtype),
-               jnp.where(_bcast(seg.empty, dfinal), dfinal, 0.0))
-      (_, dinit), dS_out = jax.lax.scan(step, carry, xs, reverse=True)
+  xs = (do, it.qg, it.w, it.kd, it.dec, it.P)
+  if seg is None:
+    (dinit, _), dS_out = jax.lax.scan(step, (dfinal, None), xs + (None,) * 3, reverse=True)
+    return dS_out, dinit
+  carry = (jnp.zeros((1,) + init.shape[1:], init.dtype),
+           jnp.where(_bcast(seg.empty, dfinal), dfinal, 0.0))
+  (_, dinit), dS_out = jax.lax.scan(step, carry, xs + tuple(seg[:3]), reverse=True)
+  return dS_out, dinit
 
-  with jax.named_scope("kda_output_bwd"):
-    u = it.U - jnp.matmul(it.w, S, precision=prec)
-    if du is None:
-      du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS_out, dt)
-    d = Intra(w=-_mm(du, S.mT, dt), U=du,
-              P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
-              qg=_mm(do, S.mT, dt), kd=_mm(u, dS_out.mT, dt),
-              dec=jnp.sum(dS_out * S, -1))
-    if G.shape[-1] == 1:
-      d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
+
+@jax.named_scope("kda_output_bwd")
+def output_grads(it: Intra, S, do, dS, dt, du=None):
+  """The gradients of ``Intra`` (an ``Intra`` of cotangents) from the output gradients
+  ``do`` and the chunk-exit state gradients ``dS``; ``du`` (the gradients of the corrected
+  writes ``u = U - w S``) when already known."""
+  u = it.U - jnp.matmul(it.w, S, precision=matmul_precision(dt))
+  if du is None:
+    du = _mm(it.P.mT, do, dt) + _mm(it.kd, dS, dt)
+  d = Intra(w=-_mm(du, S.mT, dt), U=du,
+            P=_mm(do, u.mT, dt),  # P's upper triangle is constant 0
+            qg=_mm(do, S.mT, dt), kd=_mm(u, dS.mT, dt),
+            dec=jnp.sum(dS * S, -1))
+  if it.dec.shape[-1] == 1:  # scalar gate
+    d = d._replace(dec=jnp.sum(d.dec, -1, keepdims=True))
+  return d
+
+
+def _forward(dt, q, k, v, G, beta, init, seg):
+  it = by_span(functools.partial(intra, q, k, v, G, beta, dt), G)
+  S, final = state_scan(it, init, seg, dt)  # S: chunk-entry states [NC,B,HV,K,V]
+  return (outputs(it, S, dt), final), (q, k, v, G, beta, init, seg, S)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked(dt, q, k, v, G, beta, init, seg):
+  """``o [B,NC*C,HV,V]`` in dt and final states ``[N,HV,K,V]`` float32.
+
+  q (scaled), k [NC,B,HV,C,K]; v [NC,B,HV,C,V]; G [NC,B,HV,C,Kg] (the log decays summed
+  along each chunk); beta [NC,B,HV,C,1]; init [N,HV,K,V]; seg a ``Segments`` (B = 1) or
+  None (then N = B, one sequence per row); dt the dtype of the chunk-parallel matmul
+  operands.
+  """
+  return _forward(dt, q, k, v, G, beta, init, seg)[0]
+
+
+def _chunked_bwd(dt, res, cts):
+  # The whole pass in each branch of the span's lax.cond: the residuals of the recomputed
+  # intra stage stay inside the branch (a cond under jax.vjp would return both branches').
+  return by_span(functools.partial(_backward, dt, res, cts), res[3])
+
+
+def _backward(dt, res, cts, by_sub_blocks):
+  q, k, v, G, beta, init, seg, S = res
+  do, dfinal = cts
+  do = to_chunk_layout(do, q.shape[-2]).astype(jnp.float32)
+  it, intra_vjp = jax.vjp(lambda *a: intra(*a, dt, by_sub_blocks), q, k, v, G, beta)
+  dS, dinit = state_scan_bwd(it, do, dfinal, init, seg, dt)
+  d = output_grads(it, S, do, dS, dt)
   with jax.named_scope("kda_intra_bwd"):
     dq, dk, dv, dG, db = intra_vjp(d)
   return dq, dk, dv, dG, db, dinit, None
 
 
-chunked.defvjp(_chunked_fwd, _chunked_bwd)
+chunked.defvjp(_forward, _chunked_bwd)
 
 
 # ---------------------------------------------------------------------------------------
 # Layout: [B,T,HV,D] tokens <-> [NC,B,HV,C,D] chunks.
 
 
-def _to_chunks(x, c):
+def to_chunk_layout(x, c):
+  """Tokens ``[B,T,H,D]`` to chunks ``[NC,B,H,C,D]`` (T zero-padded to whole chunks)."""
   b, t = x.shape[:2]
   nc = -(-t // c)
   x = jnp.pad(x, ((0, 0), (0, nc * c - t)) + ((0, 0),) * (x.ndim - 2))
   x = x.reshape((b, nc, c) + x.shape[2:])
   return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+
+def from_chunk_layout(x):
+  """Chunks ``[NC,B,H,C,D]`` to tokens ``[B,NC*C,H,D]``."""
+  nc, b, hv, c = x.shape[:4]
+  x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
+  return x.reshape((b, nc * c, hv) + x.shape[4:])
 
 
 def to_chunks(q, k, v, g, beta, scale, l2norm_qk, c):
@@ -516,17 +534,11 @@ def to_chunks(q, k, v, g, beta, scale, l2norm_qk, c):
   both repeated to the HV value heads; v ``[B,T,HV,V]``; g ``[B,T,HV,Kg]`` as G, its
   cumulative sums along each chunk; beta ``[B,T,HV,1]``. T is zero-padded to whole
   chunks."""
-  q, k, v, g, beta = (_to_chunks(x, c).astype(jnp.float32) for x in (q, k, v, g, beta))
+  q, k, v, g, beta = (to_chunk_layout(x, c).astype(jnp.float32) for x in (q, k, v, g, beta))
   if l2norm_qk:
     q, k = l2norm(q), l2norm(k)
   q, k = (jnp.repeat(x, v.shape[2] // q.shape[2], axis=2) for x in (q * scale, k))
   return q, k, v, _chunk_cumsum(g), beta
-
-
-def _from_chunks(x):
-  nc, b, hv, c = x.shape[:4]
-  x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
-  return x.reshape((b, nc * c, hv) + x.shape[4:])
 
 
 class Packing(NamedTuple):
@@ -565,22 +577,29 @@ def _gather(x, index, valid):
 
 
 # ---------------------------------------------------------------------------------------
-# The engine entry point.
+# The engine entry point: tokens in, tokens out.
 
 
-def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
-        gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
-        beta_sigmoid=False, allow_neg_eigval=False, cu_seqlens=None, chunk_size=64,
-        fused=None):
-  """Returns ``(o [B,T,HV,V] in q's dtype, final_state [N,HV,K,V] float32)``.
+class Tokens(NamedTuple):
+  """The gated tokens of ``gated_tokens``, what ``to_chunks`` takes, and how to lay the
+  outputs back out."""
+  q: jax.Array     # [B,T',H,K]
+  k: jax.Array     # [B,T',H,K]
+  v: jax.Array     # [B,T',HV,V]
+  g: jax.Array     # [B,T',HV,Kg] float32 log decays
+  beta: jax.Array  # [B,T',HV,1] float32
+  init: jax.Array  # [N,HV,K,V] float32 initial states
+  pack: Packing | None  # packed sequences laid out on chunk boundaries (then T' != T)
 
-  Validated inputs: q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] or, for a scalar gate,
-  [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; cu_seqlens [N+1] or None.
-  ``fused``: None, or ``FusedKernels`` replacing stages (see there).
-  """
+
+def gated_tokens(q, k, v, g, beta, *, initial_state=None, gate_in_kernel=False, a_log=None,
+                 dt_bias=None, lower_bound=None, beta_sigmoid=False, allow_neg_eigval=False,
+                 cu_seqlens=None, chunk_size=64):
+  """The per-token preprocessing of ``kda`` (its arguments): the gates and beta as float32
+  log decays and write strengths, the initial states (zeros when None), and packed
+  sequences laid out so each starts on a chunk boundary."""
   b, t, _, kdim = q.shape
   hv, vdim = v.shape[2], v.shape[3]
-  dtype = q.dtype
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
   init = (jnp.zeros((n, hv, kdim, vdim), jnp.float32) if initial_state is None
@@ -592,13 +611,32 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
     g = gate(g, a_log, dt_bias, lower_bound)
   if beta_sigmoid:
     beta = (2.0 if allow_neg_eigval else 1.0) * jax.nn.sigmoid(beta)
-  xs, seg = (q, k, v, g, beta), None
+  xs, pack = (q, k, v, g, beta), None
   if cu_seqlens is not None:
     pack = _packing(cu_seqlens, t, chunk_size)
     xs = tuple(_gather(x, pack.token, pack.valid) for x in xs)
-    seg = pack.seg
-  fused = fused or FusedKernels()
-  q, k, v, G, beta = (fused.chunks or to_chunks)(*xs, scale, qk_l2norm, chunk_size)
-  o, final = chunked(dtype, fused, q, k, v, G, beta, init, seg)
-  o = o[:, :t] if cu_seqlens is None else _gather(o, pack.slot, pack.inside)
-  return o, final
+  return Tokens(*xs, init, pack)
+
+
+def token_outputs(o, t, pack):
+  """The outputs ``o [B,T',HV,V]`` of the tokens of ``gated_tokens`` as ``[B,T,HV,V]``."""
+  return o[:, :t] if pack is None else _gather(o, pack.slot, pack.inside)
+
+
+def kda(q, k, v, g, beta, *, scale, initial_state=None, qk_l2norm=False,
+        gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
+        beta_sigmoid=False, allow_neg_eigval=False, cu_seqlens=None, chunk_size=64):
+  """Returns ``(o [B,T,HV,V] in q's dtype, final_state [N,HV,K,V] float32)``.
+
+  Validated inputs: q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] or, for a scalar gate,
+  [B,T,HV,1]; beta [B,T,HV]; initial_state [N,HV,K,V] or None; a_log [HV] or None;
+  dt_bias [HV,K] (scalar gate: [HV,1]) or None; cu_seqlens [N+1] or None.
+  """
+  x = gated_tokens(q, k, v, g, beta, initial_state=initial_state,
+                   gate_in_kernel=gate_in_kernel, a_log=a_log, dt_bias=dt_bias,
+                   lower_bound=lower_bound, beta_sigmoid=beta_sigmoid,
+                   allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens,
+                   chunk_size=chunk_size)
+  chunks = to_chunks(x.q, x.k, x.v, x.g, x.beta, scale, qk_l2norm, chunk_size)
+  o, final = chunked(q.dtype, *chunks, x.init, None if x.pack is None else x.pack.seg)
+  return token_outputs(o, q.shape[1], x.pack), final

@@ -1,5 +1,5 @@
 """KDA's intra-chunk stage of the forward pass as one Pallas (Triton) kernel: what
-``reference.kda._intra`` computes, one program per chunk of one sequence and value head.
+``reference.kda.intra`` computes, one program per chunk of one sequence and value head.
 
 For one chunk of C tokens (q scaled, k and the cumulative log decays G ``[C, K]``, v
 ``[C, V]``, beta ``[C]``):

@@ -1,5 +1,5 @@
 """KDA's pair sums within 16-token sub-blocks, forward and backward, as Pallas (Triton)
-kernels: the ``PairLeaves`` of ``reference.kda``.
+kernels: ``reference.kda.leaf_pairs`` and ``leaf_pairs_grads``.
 
 For x, y, G ``[..., n, K]`` (n tokens of one sub-block, G non-increasing along them):
 
@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
-
-from cudnn_jax.reference import kda as ref
 
 # Warps per program, forward and backward: the fastest on an H200 at K = 128 (forward
 # 0.85 ms against 1.0-1.5 with 1, 2 or 4 warps; backward 0.94 against 1.1-1.9), where
@@ -79,19 +77,14 @@ def _call(kernel, operands, out_shapes, interpret, num_warps):
   return [o.reshape(*lead, *o.shape[1:]) for o in outs]
 
 
-@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps"))
-def pairs(x, y, G, dt=None, *, interpret=False, num_warps=FWD_WARPS):
-  """``M [..., n, n]`` float32 (``dt`` unused: products in float32)."""
-  del dt
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+def pairs(x, y, G, *, interpret=False, num_warps=FWD_WARPS):
+  """``M [..., n, n]`` float32 (products in float32)."""
   n = G.shape[-2]
   return _call(_fwd_kernel, (x, y, G), [(n, n)], interpret, num_warps)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("dt", "interpret", "num_warps"))
-def pairs_bwd(dM, x, y, G, dt=None, *, interpret=False, num_warps=BWD_WARPS):
-  """``(dx, dy)`` [..., n, K] float32."""
-  del dt
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+def pairs_bwd(dM, x, y, G, *, interpret=False, num_warps=BWD_WARPS):
+  """``(dx, dy)`` [..., n, K] float32 (G's gradient follows: ``x dx - y dy``)."""
   return tuple(_call(_bwd_kernel, (dM, x, y, G), [x.shape[-2:]] * 2, interpret, num_warps))
-
-
-LEAVES = ref.PairLeaves(fwd=pairs, bwd=pairs_bwd)

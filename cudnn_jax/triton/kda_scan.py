@@ -8,14 +8,14 @@ chunks in order with its slice of the state ``S [K, BV]`` (float32) in registers
     o   = (q e^G) S + P u              (the chunk's outputs)
     S  <- diag(e^{G_C}) S + (k e^{G_C - G})^T u
 
-the ``_state_scan`` and output stage of ``reference.kda`` (one sequence per batch row; no
+``reference.kda.state_scan`` and ``outputs`` (one sequence per batch row; no
 packed sequences), writing the chunk-entry states the backward pass reads. Backward: the
 same programs walk the chunks in reverse with the gradient dS of the chunk's exit state:
 
     du  = P^T do + (k e^{G_C - G}) dS
     dS <- (q e^G)^T do - w^T du + diag(e^{G_C}) dS
 
-the scan of ``reference.kda``'s backward, writing each chunk's dS and du.
+``reference.kda.state_scan_bwd``, writing each chunk's dS and du.
 """
 
 from __future__ import annotations
