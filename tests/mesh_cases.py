@@ -20,8 +20,11 @@ def mesh_or_skip(shape, names, axis_type="Auto"):
 
 
 def assert_no_collectives(jitted, *args, allowed=()):
-  """The compiled ``jitted(*args)`` holds no collective but those ``allowed``."""
-  hlo = jitted.lower(*args).compile().as_text()
+  """The compiled ``jitted(*args)`` holds no collective but those ``allowed``; returns the
+  compiled program (call it on ``args`` for the results without compiling again)."""
+  compiled = jitted.lower(*args).compile()
+  hlo = compiled.as_text()
   for collective in COLLECTIVES:
     if collective not in allowed:
       assert collective not in hlo, collective
+  return compiled
