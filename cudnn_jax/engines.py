@@ -36,16 +36,22 @@ class Engine:
 class _Op:
   prepare: Callable[..., Any]  # (*args, **kwargs) -> call description
   engines: dict[str, Engine]
+  # call -> (how it runs across devices or None, the call each device's engines serve)
+  explained: Callable[[Any], tuple[str | None, Any]] = lambda call: (None, call)
 
 
 _OPS: dict[str, _Op] = {}
 
 
-def register_op(op: str, prepare: Callable[..., Any], *, engines_of: str | None = None) -> None:
+def register_op(op: str, prepare: Callable[..., Any], *, engines_of: str | None = None,
+                explained=None) -> None:
   """Declares an op; ``prepare`` validates user arguments into a static call description.
   With ``engines_of``, the op's calls are calls of that op (on rearranged arrays) and share
-  its engines, present and future."""
-  _OPS[op] = _Op(prepare, _OPS[engines_of].engines if engines_of else {})
+  its engines, present and future. ``explained(call) -> (how, device_call)``: for a call
+  that runs as other calls on each device (context parallelism), how, and the call the
+  engines serve there; ``explain`` reports on that one."""
+  _OPS[op] = _Op(prepare, _OPS[engines_of].engines if engines_of else {},
+                 *(() if explained is None else (explained,)))
 
 
 def register_engine(op: str, name: str, *, supports, run, opt_in=False) -> None:
@@ -136,14 +142,15 @@ def explain(fn_name: str, *args, **kwargs) -> str:
     raise ValueError(f"fn_name: unknown op {fn_name!r}; known: {sorted(_OPS)}")
   op = _OPS[fn_name]
   implementation = kwargs.get("implementation")
-  call = _prepare_abstract(op.prepare, args, kwargs)
+  how, call = op.explained(_prepare_abstract(op.prepare, args, kwargs))
   verdicts = reasons(fn_name, call, explicit=implementation is not None)
+  which = "this call" if how is None else "each device's call"
   try:
     chosen = choose(fn_name, call, implementation).name
-    head = f"{fn_name}: engine {chosen!r} serves this call"
+    head = f"{fn_name}: engine {chosen!r} serves {which}"
   except UnsupportedError as e:
     chosen, head = None, str(e)
-  lines = [head]
+  lines = ([] if how is None else [how]) + [head]
   for name, why in verdicts.items():
     mark = "chosen" if name == chosen else ("can serve" if why is None else f"declines: {why}")
     lines.append(f"  {name}: {mark}")

@@ -2,6 +2,7 @@
 8-device CPU mesh: equal to the unsharded call, gradients included, under jax.jit and
 called eagerly, on meshes of either axis type, with inputs sharded along the axis or not."""
 
+import dataclasses
 import functools
 
 import jax
@@ -116,3 +117,30 @@ def test_context_parallel_declines_what_it_does_not_serve():
       call(q, k, v, context_parallel_strategy="tree")
   with pytest.raises(ValueError, match="context_parallel_axis"):
     call(q, k, v)  # no mesh anywhere
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("case", ["full", "causal", "causal_window"])
+def test_explain_judges_each_devices_call(monkeypatch, strategy, case):
+  """explain describes the context-parallel call and judges the engines on the call each
+  device makes, which is the call the op dispatches there."""
+  from cudnn_jax import engines  # pylint: disable=g-import-not-at-top
+  mesh = mesh_or_skip((2, 4), ("data", "cp"))
+  q, k, v = inputs()
+  kwargs = dict(CASES[case], context_parallel_axis="cp", context_parallel_strategy=strategy)
+  with jax.set_mesh(mesh):
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    text = cudnn_jax.explain("sdpa", *structs, **kwargs)
+    dispatched = []
+    choose = engines.choose
+    monkeypatch.setattr(engines, "choose", lambda op, call, impl: (
+        dispatched.append(call), choose(op, call, impl))[1])
+    jax.jit(functools.partial(cudnn_jax.sdpa, **kwargs)).lower(q, k, v)
+  assert f"context parallel along mesh axis 'cp' (4 devices), strategy {strategy!r}" in text
+  assert "'xla' serves each device's call" in text
+  from cudnn_jax.ops import sdpa as sdpa_module  # pylint: disable=g-import-not-at-top
+  call, _ = sdpa_module.prepare(q, k, v, **{n: a for n, a in kwargs.items()
+                                            if n != "context_parallel_axis"})
+  want = sdpa_module._explained(  # pylint: disable=protected-access
+      dataclasses.replace(call, context_parallel=("cp", strategy, 4)))[1]
+  assert set(dispatched) == {want}

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, engines
+from cudnn_jax.ops import sdpa_context_parallel
 from cudnn_jax.engines import UnsupportedError
 
 
@@ -58,6 +59,7 @@ class SdpaCall:
   dropout_rate: float = 0.0
   return_lse: bool = False
   unbatched: bool = False
+  context_parallel: tuple | None = None  # (mesh axis, strategy, devices along it)
 
 
 def _window(local_window_size):
@@ -184,7 +186,10 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
       has_kv_lengths=key_value_seq_lengths is not None,
       has_segments=q_segment_ids is not None, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, dropout_rate=float(dropout_rate),
-      return_lse=bool(return_lse), unbatched=unbatched)
+      return_lse=bool(return_lse), unbatched=unbatched,
+      context_parallel=None if context_parallel_axis is None else (
+          context_parallel_axis, context_parallel_strategy,
+          sdpa_context_parallel.mesh_size(context_parallel_axis, query)))
   inputs = SdpaInputs(*_checks.arrays(query, key, value, bias, mask, query_seq_lengths,
                                       key_value_seq_lengths, q_segment_ids, kv_segment_ids,
                                       sinks),
@@ -221,7 +226,10 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
   ``context_parallel_strategy`` "all_gather" (each device gathers key and value) or "ring"
   (key/value shards pass around the devices, partial results merged by log-sum-exp).
   Self-attention only (one sequence length), causal (top-left) or not, a left window when
-  causal, soft cap and sinks; not with bias, mask, lengths, segment ids or dropout.
+  causal, soft cap and sinks; not with bias, mask, lengths, segment ids or dropout. Works
+  under jit and called eagerly; out (and lse) come back sharded along the axis by
+  sequence, keeping the query's batch and head sharding. ``explain`` describes the
+  strategy and judges the engines on each device's call.
 
   ``implementation``: None (fastest engine that serves the call, falling back to "xla"),
   "cudnn", "xla", or a sequence tried in order; a named engine that cannot serve the call
@@ -237,8 +245,7 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
       return_lse=return_lse, context_parallel_axis=context_parallel_axis,
       context_parallel_strategy=context_parallel_strategy)
   if context_parallel_axis is not None:
-    from cudnn_jax.ops.sdpa_context_parallel import sdpa_context_parallel  # pylint: disable=g-import-not-at-top
-    return sdpa_context_parallel(
+    return sdpa_context_parallel.sdpa_context_parallel(
         sdpa, query, key, value, axis=context_parallel_axis,
         strategy=context_parallel_strategy, is_causal=call.is_causal, window=call.window,
         sinks=sinks, return_lse=return_lse, scale=call.scale,
@@ -261,7 +268,14 @@ def _run_xla(call: SdpaCall, x: SdpaInputs):
       dropout_rng=x.dropout_rng)
 
 
-engines.register_op("sdpa", lambda *a, **kw: prepare(*a, **kw)[0])
+def _explained(call: SdpaCall):
+  """What ``explain`` judges: the call itself, or each device's under context parallelism."""
+  if call.context_parallel is None:
+    return None, call
+  return sdpa_context_parallel.device_call(call)
+
+
+engines.register_op("sdpa", lambda *a, **kw: prepare(*a, **kw)[0], explained=_explained)
 engines.register_engine("sdpa", "xla", supports=lambda call: None, run=_run_xla)
 
 

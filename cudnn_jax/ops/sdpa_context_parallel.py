@@ -11,6 +11,7 @@ device holds more than one foreign shard at a time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -32,6 +33,37 @@ def _mesh_with(axis, query):
       return mesh
   raise ValueError(f"context_parallel_axis: {axis!r} is not an axis of the current mesh "
                    "(set one with jax.set_mesh, or shard the inputs explicitly)")
+
+
+def mesh_size(axis, query):
+  """The number of devices along mesh ``axis`` (see ``_mesh_with``)."""
+  return _mesh_with(axis, query).shape[axis]
+
+
+def device_call(call):
+  """(what runs where, the call each device's engines serve) for ``call``, an ``SdpaCall``
+  of the whole sequence with ``call.context_parallel = (axis, strategy, devices)``: what
+  ``explain`` reports. Each device's call is the one ``_context_parallel`` makes:
+  all_gather: its rows against every key, causal through bottom-right alignment over the
+  keys up to its last row; ring: its rows against one key/value shard a step, causal
+  through a mask."""
+  axis, strategy, size = call.context_parallel
+  rows = call.t // size
+  head = (f"sdpa: context parallel along mesh axis {axis!r} ({size} devices), strategy "
+          f"{strategy!r}: each device holds {rows} of the {call.t} query, key and value rows")
+  if strategy == "ring":
+    head += (f", attends them to one key/value shard per step ({size} steps, the shards "
+             "passed on by collective permutes) and merges the results by log-sum-exp")
+    local = dataclasses.replace(call, t=rows, s=rows, is_causal=False, window=None,
+                                mask_shape=(1, 1, rows, rows) if call.is_causal else None)
+  else:
+    head += ", gathers key and value whole along the axis and attends its rows to them"
+    left = call.window[0] if call.window is not None else None
+    local = dataclasses.replace(call, t=rows, bottom_right=call.is_causal,
+                                has_kv_lengths=call.is_causal,
+                                window=None if left is None else (left, 0))
+  return head, dataclasses.replace(local, return_lse=True, has_sinks=False,
+                                   context_parallel=None)
 
 
 def _merge(out, lse, part_out, part_lse):
