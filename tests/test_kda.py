@@ -1,5 +1,7 @@
 """cudnn_jax.kda / cudnn_jax.gdn on the "xla" engine (CPU) against the float64 recurrence."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,7 +148,8 @@ def test_vmap_of_value_and_grad_matches_loop():
 
 
 def test_sharded_batch_and_heads_stay_local():
-  """Batch and head sharding: same results, no data movement between devices."""
+  """Batch and head sharding together, without jax.set_mesh: same results, no data
+  movement between devices in the forward pass."""
   mesh = mesh_or_skip((4, 2), ("b", "h"))
   cfg = Config(b=4, t=24, h=2, hv=4, initial_state=True, gate="softplus", dt_bias=True)
   arrays, kwargs = make_case(cfg)
@@ -161,9 +164,10 @@ def test_sharded_batch_and_heads_stay_local():
   np.testing.assert_allclose(final, ref_final, rtol=1e-5, atol=1e-5)
   assert o.sharding.is_equivalent_to(NamedSharding(mesh, tokens), o.ndim)
   assert final.sharding.is_equivalent_to(NamedSharding(mesh, P("b", "h")), final.ndim)
+  assert_no_collectives(fwd, placed)
   loss = lambda a: sum(jnp.sum(x ** 2) for x in run(cfg, a, kwargs))
-  for fn in (fwd, jax.jit(jax.grad(loss))):  # a_log / dt_bias grads may all-reduce
-    assert_no_collectives(fn, placed, allowed=("all-reduce",))
+  # The gradients of a_log and dt_bias sum over the batch shards.
+  assert_no_collectives(jax.jit(jax.grad(loss)), placed, allowed=("all-reduce",))
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,3 +249,85 @@ def test_chunk_sizes_agree_in_gradients():
   expected = jax.jit(jax.value_and_grad(loss), static_argnums=1)(arrays, 64)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got,
                expected)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding (SPEC section 7): on a (4, 2) mesh, inside jax.set_mesh, on axes of either type.
+
+# Each placement: the PartitionSpec of every array argument (None: a NumPy constant that
+# the jitted functions capture), and those of the results (o, final_state).
+_BATCH, _HEADS = P("b"), P(None, None, "h")
+MESH_PLACEMENTS = {
+    # Batch-sharded inputs among NumPy constants (a_log, dt_bias).
+    "batch": (dict(q=_BATCH, k=_BATCH, v=_BATCH, g=_BATCH, beta=_BATCH,
+                   initial_state=P("b"), a_log=None, dt_bias=None), (_BATCH, P("b"))),
+    "heads": (dict(q=_HEADS, k=_HEADS, v=_HEADS, g=_HEADS, beta=_HEADS,
+                   initial_state=P(None, "h"), a_log=P("h"), dt_bias=P("h")),
+              (_HEADS, P(None, "h"))),
+    "replicated": (dict.fromkeys(DIFFERENTIABLE, P()), (P(), P())),
+    "numpy": (dict.fromkeys(DIFFERENTIABLE), (P(), P())),
+}
+MESH_CONFIG = dict(b=4, t=72, h=2, hv=4, k=16, v=16, initial_state=True, gate="softplus",
+                   dt_bias=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _without_mesh(op):
+  """(config, arrays, kwargs, loss, (o, final), gradients) of the call without a mesh."""
+  cfg = Config(op=op, **MESH_CONFIG)
+  arrays, kwargs = make_case(cfg)
+  rng = np.random.default_rng(5)
+  w_o = rng.standard_normal((cfg.b, cfg.t, cfg.hv, cfg.v)).astype(np.float32)
+  w_f = rng.standard_normal((cfg.b, cfg.hv, cfg.k, cfg.v)).astype(np.float32)
+
+  def loss(a):
+    o, final = run(cfg, a, kwargs)
+    return jnp.sum(o * w_o) + jnp.sum(final * w_f)
+
+  return cfg, arrays, kwargs, loss, run(cfg, arrays, kwargs), jax.jit(jax.grad(loss))(arrays)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("placement", list(MESH_PLACEMENTS))
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_sharded_inputs_compute_locally(op, placement, axis_type):
+  """Batch- or head-sharded, replicated and NumPy inputs: each device computes on its
+  shard (no collective in the compiled forward), the outputs keep the inputs' sharding,
+  and values and gradients equal the call without a mesh."""
+  mesh = mesh_or_skip((4, 2), ("b", "h"), axis_type)
+  cfg, arrays, kwargs, loss, want, want_grads = _without_mesh(op)
+  specs, (o_spec, final_spec) = MESH_PLACEMENTS[placement]
+  with jax.set_mesh(mesh):
+    args = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()
+            if specs[n] is not None}
+    consts = {n: x for n, x in arrays.items() if specs[n] is None}
+    fwd = jax.jit(lambda a: run(cfg, {**a, **consts}, kwargs))
+    assert_no_collectives(fwd, args)
+    o, final = fwd(args)
+    # Where every input is a NumPy constant, the gradient takes them as NumPy arguments.
+    grads = jax.jit(jax.grad(lambda a: loss({**consts, **a})))(args or consts)
+  np.testing.assert_allclose(o, want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, want[1], rtol=1e-5, atol=1e-5)
+  assert o.sharding.is_equivalent_to(NamedSharding(mesh, o_spec), o.ndim), o.sharding
+  assert final.sharding.is_equivalent_to(NamedSharding(mesh, final_spec), final.ndim)
+  for name, grad in grads.items():
+    np.testing.assert_allclose(grad, want_grads[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_packed_sequences_sharded_by_heads():
+  """Packed sequences share the one batch row: head-sharded, they compute locally."""
+  mesh = mesh_or_skip((4, 2), ("b", "h"), "Explicit")
+  cfg = Config(cu_seqlens=(0, 5, 5, 40, 70), h=2, hv=4, k=16, v=16, initial_state=True,
+               gate="softplus", dt_bias=True)
+  arrays, kwargs = make_case(cfg)
+  want_o, want_final = run(cfg, arrays, kwargs)
+  specs = dict(MESH_PLACEMENTS["heads"][0], cu_seqlens=P())
+  with jax.set_mesh(mesh):
+    args = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in arrays.items()}
+    fwd = jax.jit(lambda a: run(cfg, a, kwargs))
+    assert_no_collectives(fwd, args)
+    o, final = fwd(args)
+  np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5)
+  assert o.sharding.is_equivalent_to(NamedSharding(mesh, _HEADS), o.ndim)
+  assert final.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "h")), final.ndim)

@@ -3,6 +3,12 @@
 Argument names follow FLA's ``chunk_kda``. Both ops are linear attention with a delta-rule
 state update and a decay gate: per channel (``kda``, ``g [B,T,HV,K]``) or per head
 (``gdn``, ``g [B,T,HV]``).
+
+The op's path: this module (arguments, engine choice, sharding), then an engine:
+``"xla"`` (cudnn_jax/reference/kda.py, pure JAX) or ``"triton"`` (cudnn_jax/triton/kda.py,
+Pallas kernels composed with the reference's stages). Sequences and value heads are
+independent, so on a device mesh the engine runs on each device's shard of the batch and
+the heads (``core.per_shard``), with no communication.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, engines
+from cudnn_jax.primitives import core
 
 CHUNK_SIZES = (32, 64)
 
 
 class KdaInputs(NamedTuple):
-  """The array arguments, validated; absent ones are None."""
+  """The array arguments as the engines take them; absent ones are None."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -74,7 +81,8 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
              use_gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cu_seqlens=None,
              chunk_size=64, implementation=None):
-  """Validates the user's arguments into (KdaCall, KdaInputs)."""
+  """Validates the user's arguments into ``(KdaCall, operands)``: the arrays present, in
+  the order of ``_rule``, as JAX arrays, ``dt_bias`` as ``[HV,K]`` (kda) or ``[HV]`` (gdn)."""
   del implementation
   scalar_gate = op == "gdn"
   _checks.shape_of("q", q, 4)
@@ -145,18 +153,54 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
       has_dt_bias=dt_bias is not None, lower_bound=lower_bound,
       beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
       varlen=cu_seqlens is not None, chunk_size=int(chunk_size))
-  if scalar_gate:
+  if dt_bias is not None and not scalar_gate:  # with the value heads it belongs to
+    dt_bias = jnp.reshape(dt_bias, (hv, kdim))
+  operands = (q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
+  return call, tuple(jnp.asarray(x) for x in operands if x is not None)
+
+
+def _rule(config, *shapes):
+  """``core.per_shard``'s rule: the factors of every operand, then of (o, final_state).
+  Batch rows (b) and heads (q/k heads h with value heads v) are independent; packed
+  sequences (n) share the one batch row, so only their heads may be sharded."""
+  del shapes
+  _, call = config
+  n = "n" if call.varlen else "b"
+  gate = "b t v k" if call.op == "kda" else "b t v"
+  terms = ["b t h k", "b t h k", "b t v e", gate, "b t v"]
+  terms += [f"{n} v k e"] * call.has_initial_state + ["v"] * call.has_a_log
+  terms += ["v k" if call.op == "kda" else "v"] * call.has_dt_bias + ["c"] * call.varlen
+  return f"{', '.join(terms)} -> b t v e, {n} v k e"
+
+
+def _inputs(call: KdaCall, operands) -> KdaInputs:
+  """The operands (maybe one device's shard of them) as the engines take them."""
+  it = iter(operands)
+  q, k, v, g, beta = (next(it) for _ in range(5))
+  take = lambda present: next(it) if present else None
+  initial_state, a_log, dt_bias, cu_seqlens = (
+      take(call.has_initial_state), take(call.has_a_log), take(call.has_dt_bias),
+      take(call.varlen))
+  if call.op == "gdn":
     g = g[..., None]
-  if dt_bias is not None:
-    dt_bias = dt_bias.reshape(hv, -1)
-  inputs = KdaInputs(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
-  return call, inputs
+    dt_bias = None if dt_bias is None else dt_bias[:, None]
+  return KdaInputs(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
+
+
+def _on_shard(config, *operands):
+  """What one device computes: the engine named in ``config`` on its shard. The call's
+  sizes are the whole call's; the engines read the shard's from the arrays."""
+  name, call = config
+  return tuple(engines.engine(call.op, name).run(call, _inputs(call, operands)))
+
+
+_per_shard = core.per_shard("kda", _on_shard, _rule, shardable=("b", ("h", "v")))
 
 
 def _apply(op, q, k, v, g, beta, kwargs):
-  implementation = kwargs.get("implementation")
-  call, inputs = _prepare(q, k, v, g, beta, op=op, **kwargs)
-  o, final_state = engines.dispatch(op, implementation, call, inputs)
+  call, operands = _prepare(q, k, v, g, beta, op=op, **kwargs)
+  engine = engines.choose(op, call, kwargs.get("implementation"))
+  o, final_state = _per_shard((engine.name, call), *operands)
   return o, (final_state if call.output_final_state else None)
 
 
@@ -182,6 +226,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   ``initial_state [N,HV,K,V]`` float32 (zeros when None). ``cu_seqlens [N+1]`` int32 packs
   N sequences along T (B must be 1); each starts from its own initial state, and a
   zero-length one returns its initial state. ``chunk_size`` (32 or 64) only tunes speed.
+
+  Under ``jax.jit`` with inputs sharded on a device mesh (either axis type, inside
+  ``jax.set_mesh`` or not), each device computes on its shard of the batch (of N for
+  ``initial_state``; not with ``cu_seqlens``) and of the heads (q/k heads and value heads
+  on the same mesh axes, where H divides), with no communication; the outputs keep that
+  sharding. Other dimensions are made whole on each device.
 
   Returns ``(o [B,T,HV,V]`` in q's dtype, ``final_state [N,HV,K,V]`` float32 or None unless
   ``output_final_state``). Differentiable in q, k, v, g, beta, initial_state, a_log,
