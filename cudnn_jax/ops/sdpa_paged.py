@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cudnn_jax import _checks, _sharding, engines
+from cudnn_jax import _checks, engines
+from cudnn_jax.primitives import core
 from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
 
 
@@ -24,7 +25,7 @@ def gather_pages(cache, page_table, lengths):
   b, max_pages = page_table.shape
   index = jnp.clip(page_table, 0, pages - 1)
   out_sharding = None
-  if _sharding.explicit_mesh(cache):
+  if core.explicit_mesh([cache]) is not None:
     # Explicit shardings: the rows keep the table's batch and the cache's head sharding.
     table_spec = tuple(jax.typeof(page_table).sharding.spec) + (None,) * 2
     cache_spec = tuple(jax.typeof(cache).sharding.spec) + (None,) * 4

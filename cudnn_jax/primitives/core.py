@@ -147,7 +147,7 @@ class Local:
 
   def __call__(self, config, *arrays):
     arrays = [jnp.asarray(a) for a in arrays]
-    mesh = _explicit_mesh(arrays)
+    mesh = explicit_mesh(arrays)
     if mesh is None:
       return tuple(self.p.bind(*arrays, config=config))
     # Explicit axes: run with automatic axes inside, and type the results as the rule says.
@@ -286,7 +286,7 @@ def _no_mesh():
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
-def _explicit_mesh(arrays):
+def explicit_mesh(arrays):
   """The mesh with explicitly typed axes the arrays (or jax.set_mesh) live on, else None."""
   for mesh in _meshes(arrays):
     if not mesh.empty and mesh._any_axis_explicit:  # pylint: disable=protected-access
