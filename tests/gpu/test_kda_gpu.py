@@ -1,5 +1,6 @@
-"""cudnn_jax.kda / cudnn_jax.gdn (the "xla" and "triton" engines) on the GPU at model-like sizes, against the
-float64 token-by-token recurrence: long sequences, partial chunks, K = V = 128, bf16."""
+"""cudnn_jax.kda / cudnn_jax.gdn (the "xla" and "triton" engines) on the GPU at model-like
+sizes, against the float64 token-by-token recurrence: long sequences, partial chunks,
+K = V = 128, bf16."""
 
 import dataclasses
 import functools
@@ -38,7 +39,8 @@ CASES = [
 
 
 # The "triton" engine: the same cases.
-CASES += [(f"triton_{name}", dataclasses.replace(cfg, engine="triton")) for name, cfg in list(CASES)]
+CASES += [(f"triton_{name}", dataclasses.replace(cfg, engine="triton"))
+          for name, cfg in list(CASES)]
 
 
 @pytest.mark.parametrize("cfg", [c for _, c in CASES], ids=[n for n, _ in CASES])
@@ -60,9 +62,9 @@ def test_gradients_match_finite_differences(cfg):
 @pytest.mark.parametrize("steep", [False, True])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
 def test_intra_kernel_matches_reference(dt, steep, span_limit):
-  """cudnn_jax/triton/kda_intra.py compiled by Triton, at C = 64, K = V = 128, against the reference's
-  intra-chunk stage: pairs inside sub-blocks summed directly, or as products where the
-  gates allow."""
+  """cudnn_jax/triton/kda_intra.py compiled by Triton, at C = 64, K = V = 128, against the
+  reference's intra-chunk stage: pairs inside sub-blocks summed directly, or as products
+  where the gates allow."""
   from cudnn_jax.triton import kda_intra  # pylint: disable=g-import-not-at-top
   check_intra_kernel(functools.partial(kda_intra.intra, span_limit=span_limit), 64, 128, 128,
                      dt, steep, lead=(3, 2, 4))
