@@ -182,8 +182,11 @@ def grouped_gemm(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=None,
   ``glu``), ``group_sizes [G]`` int32 (group g owns the next ``group_sizes[g]`` rows),
   ``bias [G, N]`` (``[G, 2N]``). Row i of group g: ``epilogue(lhs[i] @ rhs[g] + bias[g])``
   with the epilogue of ``gemm`` (activation, or glu with activation None). Rows past
-  ``sum(group_sizes)`` are 0. Returns ``[M, N]`` in ``out_dtype`` (default: lhs's dtype).
-  Differentiable in lhs, rhs, bias.
+  ``sum(group_sizes)`` are 0; a negative group size counts as 0. Returns ``[M, N]`` in
+  ``out_dtype`` (default: lhs's dtype). Differentiable in lhs, rhs, bias.
+
+  Under ``jax.vmap`` the batch runs as one call (on the GPU engines, one kernel launch over
+  the rows of every batch entry), and a batch sharded on a device mesh stays where it is.
   """
   call, inputs = _prepare_grouped(lhs, rhs, group_sizes, bias=bias, activation=activation,
                                   glu=glu, out_dtype=out_dtype)

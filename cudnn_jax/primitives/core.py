@@ -160,7 +160,7 @@ class Local:
     run = lambda *a: tuple(self.p.bind(*a, config=config))
     return jax.sharding.auto_axes(run, out_sharding=out)(*arrays)
 
-  @functools.lru_cache(maxsize=4096)  # pylint: disable=method-cache-max-size-none
+  @functools.lru_cache(maxsize=4096)
   def _abstract_of(self, config, avals):
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
     out = jax.eval_shape(functools.partial(self.impl, config), *structs)
@@ -234,12 +234,14 @@ class Local:
       lead = term[0] if term else None
       if lead == batch or (lead is not None and shape[0] == 1 and
                            (d is not None or lead in leads)):
-        x = move_to_front(x, d, size)
+        x = _move_to_front(x, d, size)
         x = jnp.broadcast_to(x, (size, batch_size) + shape[1:])
         folded.append(x.reshape((size * batch_size,) + shape[1:]))
       elif d is None:
         folded.append(x)
-      else:  # no batch factor to fold into: vmap the computation itself
+      else:
+        # No batch factor to fold into: vmap the plain-JAX computation itself. (Operands of
+        # the FFI-backed primitives all lead with the batch, so only pure JAX gets here.)
         outs = jax.vmap(functools.partial(self.impl, config), in_axes=tuple(dims))(*args)
         return tuple(outs), (0,) * len(outs)
     outs = self.p.bind(*folded, config=config)
@@ -265,7 +267,7 @@ def define(name, *, impl, rule, shardable, cuda=None) -> Local:
   return Local(name, impl=impl, rule=rule, shardable=shardable, cuda=cuda)
 
 
-def move_to_front(x, bdim, size):
+def _move_to_front(x, bdim, size):
   """x with its vmapped axis first; an unbatched x is broadcast to ``size`` copies."""
   if bdim is None:
     return jnp.broadcast_to(x, (size,) + x.shape)
