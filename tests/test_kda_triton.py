@@ -11,7 +11,7 @@ import pytest
 
 import cudnn_jax
 from cudnn_jax.triton import kda as triton_kda
-from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan
+from cudnn_jax.triton import kda_intra, kda_scan
 from cudnn_jax.reference import kda as ref
 from kda_cases import check_intra_kernel
 
@@ -31,8 +31,8 @@ def test_pair_leaves_match_float64(n, kd):
   want_dx = np.einsum("...ts,...sk,...tsk->...tk", dM, y, decay)
   want_dy = np.einsum("...ts,...tk,...tsk->...sk", dM, x, decay)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  got = kda_pairs.pairs(f32(x), f32(y), f32(G), interpret=True)
-  got_dx, got_dy = kda_pairs.pairs_bwd(f32(dM), f32(x), f32(y), f32(G), interpret=True)
+  got = kda_intra.pairs(f32(x), f32(y), f32(G), interpret=True)
+  got_dx, got_dy = kda_intra.pairs_bwd(f32(dM), f32(x), f32(y), f32(G), interpret=True)
   for g_, w_ in ((got, want), (got_dx, want_dx), (got_dy, want_dy)):
     np.testing.assert_allclose(g_, w_, rtol=1e-5, atol=1e-5)
 
@@ -60,7 +60,7 @@ def test_chunks_kernel_matches_reference(kg, dtype, l2norm_qk):
   args = (x(b, t, h, kd, dt=dtype), x(b, t, h, kd, dt=dtype), x(b, t, hv, vd, dt=dtype),
           -jnp.abs(x(b, t, hv, kg)), x(b, t, hv, 1))
   static = (0.3, l2norm_qk, c)
-  kernel = lambda *a: kda_chunks.chunks(*a, *static, interpret=True)
+  kernel = lambda *a: kda_scan.chunks(*a, *static, interpret=True)
   got, want = kernel(*args), ref.to_chunks(*args, *static)
   for g_, w_ in zip(got, want):
     assert g_.shape == w_.shape and g_.dtype == jnp.float32
@@ -73,7 +73,7 @@ def test_chunks_kernel_matches_reference(kg, dtype, l2norm_qk):
 
 
 # The backward's pair sums: by 16-token sub-blocks while the gates allow (gentle gates
-# here), else by the hierarchy with its leaves as kernels (kda_pairs.py; forced by a span
+# here), else by the hierarchy with its leaves as kernels (kda_intra.py; forced by a span
 # limit of 0).
 @pytest.mark.parametrize("span_limit", [ref.SPAN_LIMIT, 0.0], ids=["sub_blocks", "hierarchy"])
 @pytest.mark.parametrize("vd", [8, 128])  # one value block, and two
@@ -168,15 +168,15 @@ def test_kernels_lower_to_triton_for_sm90():
         s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d),
         s(nc, b, hv, d), s(nc, b, hv, c, c), s(b, hv, d, d))
     block = s(nc, b, hv, c // 16, 16, d)
-    pairs = export(kda_pairs.pairs)(block, block, block)
-    pairs_bwd = export(kda_pairs.pairs_bwd)(s(nc, b, hv, c // 16, 16, 16), block, block, block)
+    pairs = export(kda_intra.pairs)(block, block, block)
+    pairs_bwd = export(kda_intra.pairs_bwd)(s(nc, b, hv, c // 16, 16, 16), block, block, block)
     chunk = s(nc, b, hv, c, d)
     bf16 = jnp.dtype(jnp.bfloat16)
     beta = s(nc, b, hv, c, 1)
     intra = export(jax.jit(functools.partial(kda_intra.intra, dt=bf16)))(
         chunk, chunk, chunk, chunk, beta)
     tokens = lambda heads, dt=jnp.float32: jax.ShapeDtypeStruct((b, nc * c - 5, heads, d), dt)
-    chunks = export(jax.jit(lambda *x: kda_chunks.chunks(*x, 0.1, True, c)))(
+    chunks = export(jax.jit(lambda *x: kda_scan.chunks(*x, 0.1, True, c)))(
         tokens(1, bf16), tokens(1, bf16), tokens(hv, bf16), tokens(hv),
         s(b, nc * c - 5, hv, 1))
     # The whole engine, forward and gradients (both branches of the span's cond).

@@ -3,13 +3,13 @@
 Triton, and the reference's own functions for the rest.
 
 Forward: the preprocessing, tokens to normalized float32 chunks with the gates summed
-along each chunk (kda_chunks.py); the intra-chunk stage, one program per chunk and head
+along each chunk (kda_scan.py); the intra-chunk stage, one program per chunk and head
 (kda_intra.py); the state recurrence with the outputs, one program per sequence, head and
 64 (or 32) value columns (kda_scan.py; packed sequences take the reference's scan).
 
 Backward: the intra-chunk stage recomputed and differentiated in XLA (a kernel for its VJP
 was slower than XLA's), with the pair sums within 16-token sub-blocks as kernels
-(kda_pairs.py) when the gates decay too fast for one product per sub-block; the
+(kda_intra.py) when the gates decay too fast for one product per sub-block; the
 recurrence backwards as a kernel (kda_scan.py; packed sequences: the reference's scan);
 the output and input gradients as in the reference.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from cudnn_jax.reference import kda as ref
 from cudnn_jax.reference import matmul_precision
-from cudnn_jax.triton import kda_chunks, kda_intra, kda_pairs, kda_scan
+from cudnn_jax.triton import kda_intra, kda_scan
 
 
 def supports(chunk_size, k, v) -> str | None:
@@ -47,9 +47,9 @@ def supports(chunk_size, k, v) -> str | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _strict_pair(x, y, G, dt, interpret):
-  """``reference.kda.strict_pair`` with the pairs within sub-blocks by kda_pairs.py."""
+  """``reference.kda.strict_pair`` with the pairs within sub-blocks by kda_intra.py."""
   h = ref.leaf_size(G.shape[-2])
-  inner = kda_pairs.pairs(*(ref.blocks(z, h) for z in (x, y, G)), interpret=interpret)
+  inner = kda_intra.pairs(*(ref.blocks(z, h) for z in (x, y, G)), interpret=interpret)
   return ref.across_leaves(x, y, G, dt) + ref.block_diagonal(inner)
 
 
@@ -60,7 +60,7 @@ def _strict_pair_fwd(x, y, G, dt, interpret):
 def _strict_pair_bwd(dt, interpret, res, dM):
   x, y, G = res
   h = ref.leaf_size(G.shape[-2])
-  dx_in, dy_in = kda_pairs.pairs_bwd(ref.diagonal_blocks(dM, h),
+  dx_in, dy_in = kda_intra.pairs_bwd(ref.diagonal_blocks(dM, h),
                                      *(ref.blocks(z, h) for z in res), interpret=interpret)
   dx_across, dy_across = ref.across_leaves_grads(dM, x, y, G, dt)
   dx = dx_across + dx_in.reshape(x.shape)
@@ -148,7 +148,7 @@ def kda(q, k, v, g, beta, *, scale, qk_l2norm=False, chunk_size=64, interpret=Fa
   if g.shape[-1] == 1:  # GDN's scalar gate, broadcast over the key channels
     g = jnp.broadcast_to(g, g.shape[:-1] + q.shape[-1:])
   x = ref.gated_tokens(q, k, v, g, beta, chunk_size=chunk_size, **gating)
-  chunks = kda_chunks.chunks(x.q, x.k, x.v, x.g, x.beta, scale, qk_l2norm, chunk_size,
+  chunks = kda_scan.chunks(x.q, x.k, x.v, x.g, x.beta, scale, qk_l2norm, chunk_size,
                              interpret)
   o, final = chunked(q.dtype, interpret, *chunks, x.init,
                      None if x.pack is None else x.pack.seg)
