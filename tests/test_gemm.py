@@ -318,9 +318,12 @@ def test_grouped_gemm_bad_input_names_the_argument(change, error, match):
 
 @pytest.mark.parametrize("impl", ["cudnn", "cute", ("cudnn", "cute")])
 def test_unregistered_engines_raise_unsupported(impl):
+  bf16 = lambda x: x.astype(jnp.bfloat16)
   with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: no such engine|cute: default"):
-    gemm(_A, _B, implementation=impl)
+    gemm(bf16(_A), bf16(_B), implementation=impl)
   with pytest.raises(cudnn_jax.UnsupportedError, match="default backend is 'cpu'"):
+    grouped_gemm(bf16(_L), bf16(_R), _G, implementation=impl)
+  with pytest.raises(cudnn_jax.UnsupportedError, match="dtype float32: bfloat16 and float16"):
     grouped_gemm(_L, _R, _G, implementation=impl)
 
 
@@ -332,6 +335,18 @@ def test_grouped_gemm_cudnn_engine_is_opt_in():
   assert "cute: declines: default backend is 'cpu'" in text  # not opt-in: a CPU decline
   text = cudnn_jax.explain("grouped_gemm", *args, implementation="cudnn")
   assert "opt-in" not in text  # named explicitly: its own check decides
+
+
+@pytest.mark.parametrize("op", ["grouped_gemm", "gemm"])
+def test_gpu_engines_decline_a_wider_out_dtype(op):
+  """The GPU products come out in the input dtype: a float32 out_dtype of bf16 inputs is
+  the xla engine's (which keeps the float32 sums), never a rounded value upcast."""
+  s = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+  args = [s(_L), s(_R), _G] if op == "grouped_gemm" else [s(_A), s(_B)]
+  text = cudnn_jax.explain(op, *args, out_dtype=jnp.float32, implementation=("cute", "xla"))
+  assert "cute: declines: out_dtype float32: the GPU products come out in bfloat16" in text
+  text = cudnn_jax.explain(op, *args, out_dtype=jnp.float8_e4m3fn, implementation="cute")
+  assert "out_dtype" not in text  # narrower: served (where a GPU is)
 
 
 def test_engine_sequence_falls_back_to_xla():

@@ -211,8 +211,11 @@ def test_bad_input_names_the_argument(change, error, match):
 
 
 def test_engines_and_explain():
-  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: default backend"):
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: dtype float32: bfloat16 and"):
     moe_mlp(**_ARGS, implementation="cudnn")
+  bf16 = {k: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v for k, v in _ARGS.items()}
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn: default backend"):
+    moe_mlp(**bf16, implementation="cudnn")
   np.testing.assert_array_equal(moe_mlp(**_ARGS, implementation=("cute", "xla")),
                                 moe_mlp(**_ARGS))
   structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _ARGS.items()}

@@ -270,11 +270,12 @@ def _grouped_on(product, lhs, rhs, group_sizes, bias=None, *, activation=None, g
 
 
 def _gpu_reason(call: GroupedGemmCall) -> str | None:
-  if why := _extension.unavailable_reason():
-    return why
   if call.dtype not in ("bfloat16", "float16"):
     return f"dtype {call.dtype}: bfloat16 and float16 only"
-  return None
+  if jnp.finfo(call.out_dtype).nmant > jnp.finfo(call.dtype).nmant:
+    return (f"out_dtype {call.out_dtype}: the GPU products come out in {call.dtype} (the xla "
+            "engine keeps their float32 sums)")
+  return _extension.unavailable_reason()
 
 
 def _one(primitive, config, *arrays):
