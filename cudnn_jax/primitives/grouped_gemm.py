@@ -31,14 +31,6 @@ from cudnn_jax.primitives import _common, core
 from cudnn_jax.reference import gemm as ref
 
 
-def _constants():
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
-  return _extension.kernel_constants()["grouped_gemm"]
-
-
-clamped_sizes = ref.clamped_sizes
-
-
 # ---------------------------------------------------------------------------------------
 # Plain JAX: the handlers' contracts on any backend.
 
@@ -51,7 +43,7 @@ def _per_batch(fn, rhs_like, *arrays):
 
 
 def _product(lhs, rhs, group_sizes):
-  return jax.lax.ragged_dot(lhs, rhs, clamped_sizes(group_sizes, lhs.shape[0]),
+  return jax.lax.ragged_dot(lhs, rhs, ref.clamped_sizes(group_sizes, lhs.shape[0]),
                             precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
 
@@ -68,7 +60,7 @@ def _glu_or_activation(name):
 
 def _fused_emulated(epilogue, lhs, rhs, bias, group_sizes):
   def one(lhs, rhs, bias, sizes):
-    sizes = clamped_sizes(sizes, lhs.shape[0])
+    sizes = ref.clamped_sizes(sizes, lhs.shape[0])
     return ref.grouped_epilogue(_product(lhs, rhs, sizes), sizes, bias,
                                 **_glu_or_activation(epilogue))
   return (_per_batch(one, (1, 2), lhs, rhs, bias, group_sizes).astype(lhs.dtype),)
@@ -76,7 +68,7 @@ def _fused_emulated(epilogue, lhs, rhs, bias, group_sizes):
 
 def _wgrad_emulated(config, lhs, ct, group_sizes):
   del config
-  outer = lambda l, c, s: ref.grouped_outer(l, c, clamped_sizes(s, l.shape[0]))
+  outer = lambda l, c, s: ref.grouped_outer(l, c, ref.clamped_sizes(s, l.shape[0]))
   return (jax.vmap(outer)(lhs, ct.astype(lhs.dtype), group_sizes),)
 
 
@@ -90,7 +82,7 @@ def _regrouped(call, lhs, group_sizes, shared, *rows):
   place, each batch's rows past its groups 0 (they sort last, past every group)."""
   b, m, _ = lhs.shape
   g = group_sizes.shape[1]
-  sizes = clamped_sizes(group_sizes, m)
+  sizes = ref.clamped_sizes(group_sizes, m)
   if b == 1:
     return call(lhs[0], sizes[0], *[x[0] for x in rows])[None]
   gid = jax.vmap(ref.group_ids, (0, None))(sizes, m)  # [B, M], G past the groups
@@ -124,7 +116,8 @@ def _matmul_ffi(config, lhs, rhs, group_sizes):
 
 def _starts(sizes):
   """``[G+1]`` int32 row starts and row-tile starts of groups of ``sizes [G]``."""
-  tiles = -(-sizes // _constants()["tile_m"])
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  tiles = -(-sizes // _extension.kernel_constants()["grouped_gemm"]["tile_m"])
   return tuple(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x)]).astype(jnp.int32)
                for x in (sizes, tiles))
 
@@ -148,7 +141,7 @@ def _regrouped_outer(call, lhs, ct, group_sizes):
   N]``."""
   b, m, _ = lhs.shape
   g = group_sizes.shape[1]
-  sizes = clamped_sizes(group_sizes, m)
+  sizes = ref.clamped_sizes(group_sizes, m)
   if b == 1:
     return call(lhs[0], ct[0], sizes[0])[None]
   # Each batch's rows are its groups in order: with the rows past each batch's groups
