@@ -1,8 +1,13 @@
 """Block-sparse attention: ``cudnn_jax.bsa`` and ``cudnn_jax.bsa_from_mask``.
 
 Query block m (rows ``m*block_size ...``) of head n attends to the key/value blocks listed
-in ``block_index[b, n, m]``; the xla engine gathers those blocks, so its work and memory
-follow the selected blocks rather than the full ``Sq x Skv`` square.
+in ``block_index[b, n, m]``. Two engines, both with work and memory that follow the
+selected blocks rather than the full ``Sq x Skv`` square: ``"triton"``
+(cudnn_jax/triton/bsa.py: flash-attention kernels that walk each query block's list on the
+device; NVIDIA GPUs, opt-in until validated there) and ``"xla"`` (cudnn_jax/reference/bsa.py:
+each query block gathers its kv blocks). Batch rows and heads are independent, so on a
+device mesh the chosen engine runs on each device's shard of them (``core.per_shard``),
+with no communication.
 """
 
 from __future__ import annotations
@@ -122,11 +127,18 @@ def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
 
   Returns ``out [B,Sq,N,Hv]`` in the input dtype and, with ``return_lse=True``, also
   ``lse [B,N,Sq]`` float32. Differentiable in query, key and value.
+
+  ``implementation``: None (the xla engine), "triton" (flash-attention kernels through
+  Triton on an NVIDIA GPU, opt-in: block_size 64 or 128, H and Hv 64 or 128, bf16, f16 or
+  f32; gradients summed in a fixed order, the same bits on every run), "xla", or a
+  sequence of those, as for every op. Batch- and head-sharded inputs are computed on each
+  device's shard, with no communication.
   """
   call, inputs = _prepare(query, key, value, block_index, block_counts, block_size=block_size,
                           kv_block_sizes=kv_block_sizes, scale=scale, is_causal=is_causal,
                           return_lse=return_lse)
-  out, lse = engines.dispatch("bsa", implementation, call, inputs)
+  engine = engines.choose("bsa", call, implementation)
+  out, lse = _per_shard((engine.name, call), *inputs)
   return (out, lse) if call.return_lse else out
 
 
@@ -142,23 +154,46 @@ def bsa_from_mask(block_mask):
   return jnp.where(slot < counts[..., None], order, -1), counts
 
 
-def _reference(call: BsaCall, q, k, v, block_index, block_counts, kv_block_sizes):
+def _run_xla(call: BsaCall, x: BsaInputs):
   from cudnn_jax.reference import bsa as ref  # pylint: disable=g-import-not-at-top
   # Differentiated, the gathered blocks are recomputed rather than kept.
   run = jax.checkpoint(functools.partial(ref.bsa, block_size=call.block_size,
                                          scale=call.scale, is_causal=call.is_causal))
-  return run(q, k, v, block_index, block_counts, kv_block_sizes)
+  return run(*x)
 
 
-# Batch and heads stay local: on a mesh each device gathers only its own kv blocks.
-_run_xla_per_shard = core.per_shard(
-    "bsa", _reference, "b t n h, b s k h, b s k d, b n m j, b n m, b k l -> b t n d, b n t",
+# "triton": our Pallas kernels compiled by XLA through Triton. Opt-in until the GPU tests
+# (tests/gpu/test_bsa_gpu.py) have passed on hardware; their logic is tested on CPU in
+# the Pallas interpreter (tests/test_bsa_triton.py).
+
+
+def _supports_triton(call: BsaCall) -> str | None:
+  if (backend := jax.default_backend()) != "gpu":
+    return f"default backend is {backend!r}, not 'gpu'"
+  from cudnn_jax.triton import bsa as triton_bsa  # pylint: disable=g-import-not-at-top
+  return triton_bsa.supports(call.block_size, call.h, call.hv, call.dtype)
+
+
+def _run_triton(call: BsaCall, x: BsaInputs, interpret=False):
+  from cudnn_jax.triton import bsa as triton_bsa  # pylint: disable=g-import-not-at-top
+  return triton_bsa.bsa(*x, block_size=call.block_size, scale=call.scale,
+                        is_causal=call.is_causal, interpret=interpret)
+
+
+def _on_shard(config, *arrays):
+  """What one device computes: the engine named in ``config`` on its shard of the batch
+  and heads (on one device, the whole call)."""
+  name, call = config
+  return tuple(engines.engine("bsa", name).run(call, BsaInputs(*arrays)))
+
+
+# Batch and heads stay local: on a mesh each device reads only its own kv blocks.
+_per_shard = core.per_shard(
+    "bsa", _on_shard, "b t n h, b s k h, b s k d, b n m j, b n m, b k l -> b t n d, b n t",
     shardable=("b", ("n", "k")))
 
 
-def _run_xla(call: BsaCall, x: BsaInputs):
-  return _run_xla_per_shard(call, *x)
-
-
 engines.register_op("bsa", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("bsa", "triton", supports=_supports_triton, run=_run_triton,
+                        opt_in=True)
 engines.register_engine("bsa", "xla", supports=lambda call: None, run=_run_xla)
