@@ -30,6 +30,8 @@ class Engine:
   supports: Callable[[Any], str | None]
   run: Callable[..., Any]
   opt_in: bool = False
+  # call -> how the engine computes it (which kernels, what is fused), for explain()
+  describe: Callable[[Any], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +56,10 @@ def register_op(op: str, prepare: Callable[..., Any], *, engines_of: str | None 
                  *(() if explained is None else (explained,)))
 
 
-def register_engine(op: str, name: str, *, supports, run, opt_in=False) -> None:
+def register_engine(op: str, name: str, *, supports, run, opt_in=False, describe=None) -> None:
   if name not in ENGINE_NAMES:
     raise ValueError(f"unknown engine name {name!r}; expected one of {ENGINE_NAMES}")
-  _OPS[op].engines[name] = Engine(name, supports, run, opt_in)
+  _OPS[op].engines[name] = Engine(name, supports, run, opt_in, describe)
 
 
 def engine(op: str, name: str) -> Engine:
@@ -153,5 +155,6 @@ def explain(fn_name: str, *args, **kwargs) -> str:
   lines = ([] if how is None else [how]) + [head]
   for name, why in verdicts.items():
     mark = "chosen" if name == chosen else ("can serve" if why is None else f"declines: {why}")
-    lines.append(f"  {name}: {mark}")
+    describe = op.engines[name].describe if why is None else None
+    lines.append(f"  {name}: {mark}" + (f" ({describe(call)})" if describe else ""))
   return "\n".join(lines)

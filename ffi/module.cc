@@ -14,6 +14,7 @@
 
 #include "common/cudnn_runtime.h"
 #include "common/plan_cache.h"
+#include "conv3d_cudnn.h"
 #include "grouped_matmul_cudnn.h"
 #include "kernel_constants.h"
 #include "sdpa_cudnn.h"
@@ -34,6 +35,10 @@ struct Target {
   std::vector<const char*> attributes;
 };
 
+std::vector<const char*> conv3d_attributes() {
+  return {std::begin(cudnn_jax::kConv3dAttributeNames), std::end(cudnn_jax::kConv3dAttributeNames)};
+}
+
 const std::vector<Target>& targets() {
   static const std::vector<Target> all = {
       {"cudnn_jax_sdpa_fwd", CudnnJaxSdpaFwd,
@@ -41,6 +46,9 @@ const std::vector<Target>& targets() {
       {"cudnn_jax_sdpa_bwd", CudnnJaxSdpaBwd,
        {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
       {"cudnn_jax_grouped_matmul", CudnnJaxGroupedMatmul, {}},
+      {"cudnn_jax_conv3d_fwd", CudnnJaxConv3dFwd, conv3d_attributes()},
+      {"cudnn_jax_conv3d_dgrad", CudnnJaxConv3dDgrad, conv3d_attributes()},
+      {"cudnn_jax_conv3d_wgrad", CudnnJaxConv3dWgrad, conv3d_attributes()},
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
       {"cudnn_jax_cute_grouped_gemm", CudnnJaxCuteGroupedGemm,
        {cudnn_jax::kCuteGroupedGemmEpilogue}},
@@ -189,6 +197,10 @@ struct ConfigEntry {
     *out = as_float(d, name);
     return "";
   }
+  std::string operator()(const char* name, std::string* out) const {
+    *out = as_string(d, name);
+    return "";
+  }
 };
 
 cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
@@ -253,6 +265,36 @@ int64_t grouped_matmul_workspace(const nb::dict& config) {
                             parse_grouped_matmul_config(config));
 }
 
+cudnn_jax::Conv3dConfig parse_conv3d_config(const nb::dict& d) {
+  cudnn_jax::Conv3dConfig c;
+  cudnn_jax::visit_conv3d_attributes(c, [&](const char* name, auto& field) { ConfigEntry{d}(name, &field); });
+  const std::string pass = as_string(d, "pass");
+  if (pass == "dgrad") {
+    c.pass = cudnn_jax::Conv3dPass::kDgrad;
+  } else if (pass == "wgrad") {
+    c.pass = cudnn_jax::Conv3dPass::kWgrad;
+  } else if (pass != "forward") {
+    throw nb::value_error(("config['pass'] must be 'forward', 'dgrad' or 'wgrad', got '" + pass + "'").c_str());
+  }
+  c.dtype = parse_dtype(as_string(d, "dtype"));
+  c.out_dtype = parse_dtype(as_string(d, "out_dtype"));
+  c.residual_dtype = parse_dtype(as_string(d, "residual_dtype"));
+  int64_t* dims[] = {&c.n, &c.t, &c.h, &c.w, &c.c, &c.k, &c.kt, &c.kh, &c.kw, &c.ot, &c.oh, &c.ow};
+  const char* names[] = {"n", "t", "h", "w", "c", "k", "kt", "kh", "kw", "ot", "oh", "ow"};
+  for (size_t i = 0; i < std::size(names); ++i) *dims[i] = as_int(d, names[i]);
+  return c;
+}
+
+std::string conv3d_check(const nb::dict& d) {
+  cudnn_jax::Conv3dConfig c = parse_conv3d_config(d);
+  nb::gil_scoped_release release;
+  return cudnn_jax::conv3d_check(c);
+}
+
+int64_t conv3d_workspace(const nb::dict& config) {
+  return workspace_or_raise(&cudnn_jax::conv3d_workspace, parse_conv3d_config(config));
+}
+
 nb::dict cache_info() {
   cudnn_jax::PlanCacheInfo info = cudnn_jax::PlanCache::global().info();
   nb::dict out;
@@ -292,6 +334,12 @@ NB_MODULE(_ffi, m) {
   m.def("grouped_matmul_workspace", &grouped_matmul_workspace, nb::arg("config"),
         "Bytes of the grouped matmul handler's workspace result; ValueError when cuDNN "
         "cannot serve the configuration.");
+  m.def("conv3d_check", &conv3d_check, nb::arg("config"),
+        "'' when cuDNN can serve this conv3d pass (the handler attributes, pass, dtypes and "
+        "shapes) on the current device, else why not. Builds and caches the plan.");
+  m.def("conv3d_workspace", &conv3d_workspace, nb::arg("config"),
+        "Bytes of a conv3d handler's workspace result for this configuration (the dict "
+        "conv3d_check takes); ValueError when cuDNN cannot serve it.");
   m.def("aot_kernels", &aot_kernels,
         "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
   m.def("cache_info", &cache_info,

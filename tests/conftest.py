@@ -48,3 +48,18 @@ def pytest_collection_modifyitems(config, items):
       reason = _gpu_unavailable_reason() or ""
     if reason:
       item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+  """``force(op, name)``: engine ``name`` serves ``op`` from then on, its support check
+  skipped. Off the GPU a GPU engine's primitives lower to their handlers' contracts in
+  plain JAX, so everything the engine does around its FFI calls runs on the CPU."""
+  from cudnn_jax import engines  # pylint: disable=g-import-not-at-top
+  original = engines.choose
+
+  def force(op, name):
+    forced = engines.engine(op, name)
+    monkeypatch.setattr(engines, "choose", lambda op_, call, implementation: (
+        forced if op_ == op else original(op_, call, implementation)))
+  return force

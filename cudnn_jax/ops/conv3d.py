@@ -8,12 +8,15 @@ accumulate in float32 and the result is cast once to ``out_dtype``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _extension, engines
+from cudnn_jax.primitives import conv3d as prim
+from cudnn_jax.reference import conv3d as ref
 
 NORMS = (None, "rms", "l2", "group")
 ACTIVATIONS = (None, "silu", "gelu", "relu")
@@ -43,6 +46,8 @@ class Conv3dCall:
   num_groups: int
   eps: float
   activation: str | None
+  has_bias: bool = False
+  residual_dtype: str | None = None  # None: no residual
 
 
 def _triple(name, value):
@@ -142,7 +147,9 @@ def _prepare(x, w, bias=None, *, residual=None, norm=None, norm_scale=None, norm
   call = Conv3dCall(in_shape=tuple(x.shape), kernel=tuple(w.shape), out_shape=out_shape,
                     padding=pads, strides=strides, dilation=dilation,
                     dtype=jnp.dtype(x.dtype).name, out_dtype=out_dtype, norm=norm,
-                    num_groups=num_groups, eps=float(eps), activation=activation)
+                    num_groups=num_groups, eps=float(eps), activation=activation,
+                    has_bias=bias is not None,
+                    residual_dtype=None if residual is None else jnp.dtype(residual.dtype).name)
   return call, Conv3dInputs(x, w, bias, residual, norm_scale, norm_bias)
 
 
@@ -185,7 +192,6 @@ def _on_one_mesh(inputs: Conv3dInputs) -> Conv3dInputs:
 
 
 def _run_xla(call: Conv3dCall, x: Conv3dInputs):
-  from cudnn_jax.reference import conv3d as ref  # pylint: disable=g-import-not-at-top
   x = _on_one_mesh(x)
   y = ref.conv3d(*x, padding=call.padding, strides=call.strides, dilation=call.dilation,
                  norm=call.norm, num_groups=call.num_groups, eps=call.eps,
@@ -195,3 +201,118 @@ def _run_xla(call: Conv3dCall, x: Conv3dInputs):
 
 engines.register_op("conv3d", lambda *a, **kw: _prepare(*a, **kw)[0])
 engines.register_engine("conv3d", "xla", supports=lambda call: None, run=_run_xla)
+
+
+# "cudnn": the convolution and its pointwise tail (bias, residual, and the activation when
+# no norm follows) as one cuDNN graph. cuDNN cannot fuse a norm into a convolution on
+# sm_90, so the graph also writes what the norm needs (a norm over channels: each pixel's
+# sum of squares) and the norm, its scale and bias and the activation run as XLA fusions
+# on the graph's output. Gradients: cuDNN's dgrad and wgrad graphs; the pointwise
+# backward in XLA.
+
+
+def _graph_config(call: Conv3dCall) -> prim.Conv3dConfig:
+  activation = call.activation if call.norm is None else None
+  return prim.Conv3dConfig(
+      padding=call.padding, strides=call.strides, dilation=call.dilation,
+      x_spatial=call.in_shape[1:4], kernel=call.kernel[:3], activation=activation or "none",
+      has_bias=call.has_bias, has_residual=call.residual_dtype is not None,
+      with_sumsq=call.norm in ("rms", "l2"), out_dtype=call.out_dtype)
+
+
+def _graph(config, x, w, bias, residual):
+  """The forward graph: ``(y, sumsq or None)``."""
+  y, *sumsq = prim.forward(config, x, w, *[a for a in (bias, residual) if a is not None])
+  return y, (sumsq[0] if sumsq else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv_tail(config, x, w, bias, residual):
+  """``(act(conv(x, w) + bias + residual), sum_k of its square or None)``; ``w [K, kt, kh,
+  kw, C]``, ``bias`` float32."""
+  return _graph(config, x, w, bias, residual)
+
+
+def _conv_tail_fwd(config, x, w, bias, residual):
+  # The activation's backward needs its input: the graph stops before the activation and
+  # XLA applies it.
+  z, sumsq = _graph(dataclasses.replace(config, activation="none"), x, w, bias, residual)
+  y = z
+  if config.activation != "none":
+    y = ref.ACTIVATIONS[config.activation](z.astype(jnp.float32)).astype(z.dtype)
+  residual_like = None if residual is None else jnp.zeros((), residual.dtype)
+  return (y, sumsq), (x, w, z, residual_like)
+
+
+def _conv_tail_bwd(config, saved, cts):
+  x, w, z, residual_like = saved
+  dy, dsumsq = cts
+  z = z.astype(jnp.float32)
+  dz = dy.astype(jnp.float32)
+  if config.activation != "none":
+    dz = jax.vjp(ref.ACTIVATIONS[config.activation], z)[1](dz)[0]
+  if config.with_sumsq:
+    dz = dz + 2 * z * dsumsq[..., None]
+  dbias = jnp.sum(dz, axis=(0, 1, 2, 3)) if config.has_bias else None
+  dresidual = None if residual_like is None else dz.astype(residual_like.dtype)
+  dz = dz.astype(x.dtype)
+  (dx,) = prim.dgrad(config, dz, w)
+  (dw,) = prim.wgrad(config, x[None], dz[None])
+  return dx, dw[0], dbias, dresidual
+
+
+_conv_tail.defvjp(_conv_tail_fwd, _conv_tail_bwd)
+
+
+def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
+  w = jnp.transpose(x.w, (4, 0, 1, 2, 3))  # [K, kt, kh, kw, C]
+  bias = None if x.bias is None else x.bias.astype(jnp.float32)
+  y, sumsq = _conv_tail(_graph_config(call), x.x, w, bias, x.residual)
+  if call.norm is None:
+    return y
+  y = y.astype(jnp.float32)
+  if sumsq is None:
+    y = ref.normalize(y, call.norm, call.num_groups, call.eps)
+  else:
+    y = ref.channel_normalize(y, sumsq[..., None], call.norm, call.eps)
+  return ref.affine_activation(y, x.norm_scale, x.norm_bias, call.activation).astype(
+      call.out_dtype)
+
+
+def _supports_cudnn(call: Conv3dCall) -> str | None:
+  if call.dtype not in ("bfloat16", "float16"):
+    return f"dtype {call.dtype}: bfloat16 and float16 only"
+  if 0 in call.in_shape + call.kernel + call.out_shape:
+    return "an empty extent: nothing to run"
+  if why := _extension.unavailable_reason():
+    return why
+  config = _graph_config(call)
+  n, c, k = call.in_shape[0], call.in_shape[-1], call.kernel[-1]
+  # The graphs a call may run: the forward, under differentiation without its activation,
+  # and the two gradients.
+  for config, pass_ in ((config, "forward"),
+                        (dataclasses.replace(config, activation="none"), "forward"),
+                        (config, "dgrad"), (config, "wgrad")):
+    query = config.check_config(pass_, dtype=call.dtype, n=n, c=c, k=k,
+                                out_spatial=call.out_shape[1:4],
+                                residual_dtype=call.residual_dtype)
+    if why := _extension.module().conv3d_check(query):
+      return why
+  return None
+
+
+def _describe_cudnn(call: Conv3dCall) -> str:
+  config = _graph_config(call)
+  graph = " + ".join(["conv"] + ["bias"] * config.has_bias + ["residual"] * config.has_residual
+                     + [config.activation] * (config.activation != "none"))
+  if call.norm is None:
+    return f"one cuDNN graph: {graph}"
+  then = "" if call.activation is None else f" and {call.activation}"
+  if config.with_sumsq:
+    return (f"cuDNN graph: {graph}, with each pixel's sum of squares; then the {call.norm} "
+            f"norm{then} in one XLA fusion")
+  return f"cuDNN graph: {graph}; then the group statistics, and the group norm{then}, in XLA"
+
+
+engines.register_engine("conv3d", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+                        describe=_describe_cudnn)

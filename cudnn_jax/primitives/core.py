@@ -128,8 +128,9 @@ def _sharding_spec(sharding):
 class Local:
   """A primitive computed on each device's shard; ``local(config, *arrays)`` binds it."""
 
-  def __init__(self, name, *, impl, rule, shardable, cuda=None):
+  def __init__(self, name, *, impl, rule, shardable, cuda=None, broadcast_leads=True):
     self.name, self.impl, self.cuda = name, impl, cuda
+    self._broadcast_leads = broadcast_leads
     self._rule, self._shardable = rule, shardable
     self.p = jex_core.Primitive(name)
     self.p.multiple_results = True
@@ -232,7 +233,7 @@ class Local:
     folded = []
     for x, d, shape, term in zip(args, dims, unbatched, rule.operands):
       lead = term[0] if term else None
-      if lead == batch or (lead is not None and shape[0] == 1 and
+      if lead == batch or (self._broadcast_leads and lead is not None and shape[0] == 1 and
                            (d is not None or lead in leads)):
         x = _move_to_front(x, d, size)
         x = jnp.broadcast_to(x, (size, batch_size) + shape[1:])
@@ -261,10 +262,14 @@ class Local:
     return tuple(results), tuple(out_dims)
 
 
-def define(name, *, impl, rule, shardable, cuda=None) -> Local:
+def define(name, *, impl, rule, shardable, cuda=None, broadcast_leads=True) -> Local:
   """A primitive computed per shard; see the module docstring. ``impl(config, *arrays)`` and
-  ``cuda(config, *arrays)`` return tuples of arrays with equal shapes and dtypes."""
-  return Local(name, impl=impl, rule=rule, shardable=shardable, cuda=cuda)
+  ``cuda(config, *arrays)`` return tuples of arrays with equal shapes and dtypes. Under
+  vmap an operand led by a dim of 1 counts as a batch shared by every batch entry (a
+  grouped product's weights) unless ``broadcast_leads`` is False; then only operands led
+  by the batch factor fold into it."""
+  return Local(name, impl=impl, rule=rule, shardable=shardable, cuda=cuda,
+               broadcast_leads=broadcast_leads)
 
 
 def _move_to_front(x, bdim, size):

@@ -22,6 +22,15 @@ std::string get_attribute(const ffi::Dictionary& attrs, const char* name, T* out
   return "";
 }
 
+// A string attribute (a Python str) into *out.
+inline std::string get_attribute(const ffi::Dictionary& attrs, const char* name,
+                                 std::string* out) {
+  std::string_view view;
+  if (std::string err = get_attribute(attrs, name, &view); !err.empty()) return err;
+  *out = std::string(view);
+  return "";
+}
+
 // The first attribute of `attrs` that is not one of `names`, as an error; "" when none.
 template <size_t N>
 std::string unexpected_attribute(const ffi::Dictionary& attrs, const char* const (&names)[N]) {

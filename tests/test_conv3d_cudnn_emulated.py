@@ -1,0 +1,174 @@
+"""conv3d's cudnn engine on the CPU: its primitives lower to the handlers' contracts in plain
+JAX (cudnn_jax/primitives/conv3d.py), so the engine's own work (the graph's tail, the sum of
+squares the norm reads, the custom VJP over the dgrad and wgrad graphs, vmap, sharding)
+runs here against the float64 oracle, the engine forced past its support check."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cudnn_jax
+from conv3d_oracle import assert_gradients_match, case, normal, oracle
+from cudnn_jax import _extension, engines
+from cudnn_jax.primitives import conv3d as prim
+from mesh_cases import assert_no_collectives, mesh_or_skip
+
+OPTIONS = [
+    ("same", dict()),
+    ("valid_strided", dict(padding="VALID", strides=(1, 2, 2))),
+    ("causal_dilated", dict(padding="CAUSAL", dilation=(2, 1, 2))),
+    ("explicit_strided", dict(padding=((2, 0), (1, 2), (0, 1)), strides=(2, 1, 3))),
+    ("silu", dict(activation="silu")),
+    ("gelu_causal", dict(activation="gelu", padding="CAUSAL")),
+    ("relu", dict(activation="relu", kernel=(1, 3, 3))),
+    ("rms", dict(norm="rms", kernel=(3, 1, 1))),
+    ("rms_silu", dict(norm="rms", activation="silu", padding="CAUSAL")),
+    ("l2_gelu", dict(norm="l2", activation="gelu", strides=(2, 2, 1))),
+    ("group_relu", dict(norm="group", num_groups=4, activation="relu")),
+    ("group_silu_1x1x1", dict(norm="group", num_groups=2, activation="silu", kernel=(1, 1, 1))),
+]
+
+
+def _arrays(extras, dtype=jnp.float32, **kwargs):
+  """A random call: with ``extras`` its bias, residual and the norm's scale and bias, else
+  none of them."""
+  arrays, kwargs = case(n=2, spatial=(4, 5, 6), cin=8, cout=16, dtype=dtype, **kwargs)
+  if not extras:
+    return dict(x=arrays["x"], w=arrays["w"]), kwargs
+  shape = jax.eval_shape(functools.partial(cudnn_jax.conv3d, **kwargs), **arrays).shape
+  return dict(arrays, residual=normal(11, shape, dtype=dtype)), kwargs
+
+
+@pytest.mark.parametrize("extras", [True, False], ids=["extras", "bare"])
+@pytest.mark.parametrize("kwargs", [k for _, k in OPTIONS], ids=[n for n, _ in OPTIONS])
+def test_values_and_gradients_match_float64(emulated, kwargs, extras):
+  arrays, kwargs = _arrays(extras, **kwargs)
+  emulated("conv3d", "cudnn")
+  call = functools.partial(cudnn_jax.conv3d, **kwargs)
+  got = jax.jit(lambda a: call(**a))(arrays)
+  want = oracle(**arrays, **kwargs)
+  assert got.shape == want.shape and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
+  weights = np.random.default_rng(5).standard_normal(want.shape)
+  loss = lambda a: jnp.sum(call(**a) * weights.astype(np.float32))
+  assert_gradients_match(arrays, kwargs, jax.jit(jax.grad(loss))(arrays), weights)
+
+
+def _rel(a, b):
+  a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+  assert np.all(np.isfinite(a)), "non-finite values"
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["bf16_out", "f32_out"])
+@pytest.mark.parametrize("kwargs", [dict(norm="rms", activation="silu", padding="CAUSAL"),
+                                    dict(activation="gelu"),
+                                    dict(norm="group", num_groups=4)],
+                         ids=["rms_silu", "gelu", "group"])
+def test_bf16_matches_the_xla_engine(emulated, kwargs, out_dtype):
+  """bf16 inputs, a float32 residual: values and every gradient against the xla engine."""
+  arrays, kwargs = _arrays(True, dtype=jnp.bfloat16, **kwargs)
+  arrays["residual"] = arrays["residual"].astype(jnp.float32)
+  call = functools.partial(cudnn_jax.conv3d, out_dtype=out_dtype, **kwargs)
+  loss = lambda a: jnp.sum(jnp.sin(call(**a).astype(jnp.float32)))
+  run = jax.jit(lambda a: (call(**a), jax.grad(loss)(a)))
+  want, want_grads = run(arrays)
+  emulated("conv3d", "cudnn")
+  got, grads = jax.jit(lambda a: (call(**a), jax.grad(loss)(a)))(arrays)
+  assert got.dtype == want.dtype == (out_dtype or jnp.bfloat16)
+  assert _rel(got, want) < (1e-2 if out_dtype is None else 5e-3)
+  for name, g in grads.items():
+    assert g.dtype == arrays[name].dtype, name
+    assert _rel(g, want_grads[name]) < 2e-2, name
+
+
+def test_float32_out_keeps_float32_precision(emulated):
+  """out_dtype=float32 on bf16 inputs: the graph writes float32, nothing rounds to bf16."""
+  arrays, kwargs = _arrays(True, dtype=jnp.bfloat16, norm="rms", activation="silu")
+  emulated("conv3d", "cudnn")
+  got = cudnn_jax.conv3d(**arrays, **kwargs, out_dtype=jnp.float32)
+  err = np.abs(np.asarray(got, np.float64) - oracle(**arrays, **kwargs)).max()
+  assert err < 1e-4, err
+
+
+def test_vmap_folds_into_the_batch(emulated):
+  """vmapped x (folded into the graph's batch), vmapped weights (the contract vmapped), and
+  per-example weight gradients (one wgrad per vmapped example)."""
+  arrays, kwargs = _arrays(True, norm="rms", activation="silu")
+  emulated("conv3d", "cudnn")
+  call = lambda a: cudnn_jax.conv3d(**a, **kwargs)
+  stacked = {k: jnp.stack([v, 0.5 * v]) for k, v in arrays.items()}
+  for axes in ({k: 0 for k in arrays}, dict({k: None for k in arrays}, x=0, residual=0)):
+    args = {k: v if axes[k] == 0 else arrays[k] for k, v in stacked.items()}
+    out = jax.vmap(call, in_axes=(axes,))(args)
+    for i in range(2):
+      one = {k: v[i] if axes[k] == 0 else v for k, v in args.items()}
+      np.testing.assert_allclose(out[i], call(one), rtol=1e-5, atol=1e-5)
+  loss = lambda a: jnp.sum(jnp.sin(call(a)))
+  per_example = jax.vmap(jax.grad(loss), in_axes=(dict({k: None for k in arrays}, x=0),))(
+      dict(arrays, x=stacked["x"]))
+  for i in range(2):
+    want = jax.grad(loss)(dict(arrays, x=stacked["x"][i]))
+    for name in arrays:
+      np.testing.assert_allclose(per_example[name][i], want[name], rtol=1e-4, atol=1e-5,
+                                 err_msg=name)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_batch_sharded_is_local(emulated, axis_type):
+  arrays, kwargs = _arrays(True, norm="rms", activation="silu", padding="CAUSAL")
+  arrays = {k: jnp.concatenate([v, -v]) if k in ("x", "residual") else v
+            for k, v in arrays.items()}  # batch 4
+  call = functools.partial(cudnn_jax.conv3d, **kwargs)
+  loss = lambda a: jnp.sum(jnp.sin(call(**a)))
+  emulated("conv3d", "cudnn")
+  want, want_grads = call(**arrays), jax.grad(loss)(arrays)
+  mesh = mesh_or_skip((4, 2), ("b", "h"), axis_type)
+  with jax.set_mesh(mesh):
+    batch = NamedSharding(mesh, P("b"))
+    args = dict(arrays, x=jax.device_put(arrays["x"], batch),
+                residual=jax.device_put(arrays["residual"], batch))
+    out = jax.jit(lambda a: call(**a))(args)
+    grads = jax.jit(jax.grad(loss))(args)
+    assert_no_collectives(jax.jit(lambda a: call(**a)), args)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert out.sharding.spec[0] == "b", out.sharding
+  for name, g in grads.items():
+    np.testing.assert_allclose(g, want_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_explain_says_how_the_engine_computes():
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  x, w, c = spec((1, 4, 8, 8, 16)), spec((3, 3, 3, 16, 16)), spec((16,))
+  text = cudnn_jax.explain("conv3d", x, w, c, norm="rms", norm_scale=c, activation="silu")
+  assert "cudnn: declines" in text and "'xla' serves" in text
+  x, w, c = (jnp.zeros(a.shape, a.dtype) for a in (x, w, c))
+  prepare = lambda **kw: engines._OPS["conv3d"].prepare(x, w, c, **kw)  # pylint: disable=protected-access
+  describe = engines.engine("conv3d", "cudnn").describe
+  assert describe(prepare(activation="silu")) == "one cuDNN graph: conv + bias + silu"
+  assert "sum of squares; then the rms norm and silu in one XLA fusion" in describe(
+      prepare(norm="rms", activation="silu"))
+  assert "group statistics" in describe(prepare(norm="group", num_groups=4))
+
+
+def test_cudnn_declines_what_it_cannot_serve():
+  arrays, kwargs = _arrays(False)
+  call = engines._OPS["conv3d"].prepare(**arrays, **kwargs)  # pylint: disable=protected-access
+  assert "bfloat16 and float16" in engines.engine("conv3d", "cudnn").supports(call)
+  with pytest.raises(cudnn_jax.UnsupportedError, match="cudnn"):
+    cudnn_jax.conv3d(**arrays, implementation="cudnn")
+
+
+def test_config_attributes_are_the_handlers():
+  config = prim.Conv3dConfig(padding=((2, 0), (1, 1), (1, 1)), strides=(1, 2, 2),
+                             dilation=(1, 1, 1), x_spatial=(4, 8, 8), kernel=(3, 3, 3))
+  attributes = config.attributes()
+  assert attributes["pad_t_lo"] == 2 and attributes["stride_h"] == 2
+  for target in ("cudnn_jax_conv3d_fwd", "cudnn_jax_conv3d_dgrad", "cudnn_jax_conv3d_wgrad"):
+    names = _extension.handler_attributes().get(target)
+    if names is not None:  # built with the extension
+      assert names == tuple(attributes), target
