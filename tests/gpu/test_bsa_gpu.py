@@ -1,0 +1,226 @@
+"""The "triton" engine of cudnn_jax.bsa, compiled by Triton on the GPU, against the xla
+engine (float32 math on the same rounded inputs): a seeded random sweep over block sizes,
+head dims, GQA groups, lengths, densities from 0 to 1, causal, partial kv blocks, skipped
+entries and counts (CUDNN_JAX_SWEEP_N configurations, default 60; CUDNN_JAX_SWEEP_SHARD as
+in test_sdpa_gpu.py), plus named tests: an empty selection, a deterministic backward (two
+runs bit-identical), and a long sequence. Outputs start NaN-filled
+(CUDNN_JAX_POISON_OUTPUTS, set by conftest.py), so an element left unwritten fails.
+"""
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_jax
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 2e-2  # ||a - b|| / ||b|| for out and every gradient (bf16 / f16 inputs)
+LSE_TOL = 2e-2  # max |a - b| over finite lse entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  b: int = 1
+  sq: int = 1000
+  skv: int = 1000
+  n: int = 4
+  k: int = 2
+  h: int = 128
+  hv: int = 128
+  bs: int = 128
+  density: float = 0.3
+  causal: bool = False
+  partial: bool = False  # random kv_block_sizes
+  counts: bool = True  # block_counts given (else every entry read, invalid ones skipped)
+  dtype: str = "bfloat16"
+
+
+def selection(rng, c: Case):
+  """``(block_index [B,N,Nq,L], block_counts [B,N,Nq] or None)``: each query block keeps
+  each kv block with probability ``c.density``, listed in random order; out-of-range
+  entries fill the rest (after the count, or mixed in when there are no counts)."""
+  nq, nkv = -(-c.sq // c.bs), -(-c.skv // c.bs)
+  keep = rng.random((c.b, c.n, nq, nkv)) < c.density
+  width = int(keep.sum(-1).max()) + 2
+  index = np.empty((c.b, c.n, nq, width), np.int32)
+  for row in np.ndindex(c.b, c.n, nq):
+    chosen = rng.permutation(np.flatnonzero(keep[row]))
+    junk = rng.choice([-1, -7, nkv, nkv + 5], width - len(chosen))
+    index[row] = np.concatenate([chosen, junk]) if c.counts else rng.permutation(
+        np.concatenate([chosen, junk]))
+  counts = keep.sum(-1).astype(np.int32) if c.counts else None
+  return index, counts
+
+
+def make_inputs(c: Case, seed):
+  rng = np.random.default_rng(seed)
+  dt = jnp.dtype(c.dtype)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dt)
+  q, k, v = normal(c.b, c.sq, c.n, c.h), normal(c.b, c.skv, c.k, c.h), normal(c.b, c.skv, c.k, c.hv)
+  index, counts = selection(rng, c)
+  sizes = None
+  if c.partial:
+    sizes = rng.integers(0, c.bs + 1, (c.b, c.k, -(-c.skv // c.bs))).astype(np.int32)
+  d_out = normal(c.b, c.sq, c.n, c.hv)
+  d_lse = jnp.asarray(rng.standard_normal((c.b, c.n, c.sq)), jnp.float32)
+  return (q, k, v), (index, counts, sizes), (d_out, d_lse)
+
+
+def run(c: Case, arrays, meta, cts, implementation):
+  """``(out, lse, dq, dk, dv)`` as float32 NumPy, gradients of ``sum(out * d_out) +
+  sum(lse * d_lse)`` over the finite lse entries."""
+  index, counts, sizes = meta
+  fn = functools.partial(cudnn_jax.bsa, block_size=c.bs, kv_block_sizes=sizes,
+                         is_causal=c.causal, return_lse=True, implementation=implementation)
+  d_out, d_lse = cts
+
+  def loss(q, k, v):
+    out, lse = fn(q, k, v, index, counts)
+    total = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+    return total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
+
+  grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*arrays)
+  return tuple(np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, lse, *grads))
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  denom = np.linalg.norm(b)
+  return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
+
+
+def compare(c: Case, seed):
+  """``(errors, problems, seconds)`` of the triton engine against the xla engine run on the
+  float32 upcast of the same inputs."""
+  arrays, meta, cts = make_inputs(c, seed)
+  start = time.perf_counter()
+  got = run(c, arrays, meta, cts, "triton")
+  seconds = time.perf_counter() - start
+  want = run(c, [x.astype(jnp.float32) for x in arrays], meta, cts, "xla")
+  errors, problems = {}, []
+  names = ("out", "lse", "dq", "dk", "dv")
+  for name, g, w in zip(names, got, want):
+    if name == "lse":
+      finite = np.isfinite(w)
+      if not np.array_equal(finite, np.isfinite(g)):
+        problems.append("lse: non-finite entries differ")
+        continue
+      errors[name] = float(np.max(np.abs(g[finite] - w[finite]), initial=0.0))
+      if errors[name] > LSE_TOL:
+        problems.append(f"lse: max abs error {errors[name]:.2e}")
+      continue
+    if not np.all(np.isfinite(g)):
+      problems.append(f"{name}: non-finite entries")
+      continue
+    errors[name] = rel_err(g, w)
+    if errors[name] > REL_TOL:
+      problems.append(f"{name}: rel error {errors[name]:.2e}")
+  return errors, problems, seconds
+
+
+def _check(c: Case, seed=0):
+  errors, problems, _ = compare(c, seed)
+  assert not problems, (c, errors, problems)
+
+
+# ---------------------------------------------------------------------------------------
+# Named tests.
+
+
+@pytest.mark.parametrize("c", [
+    Case(bs=128, h=128, hv=128, causal=True, density=0.3),
+    Case(bs=64, h=64, hv=128, n=8, k=2, sq=777, skv=1500, partial=True, density=0.2),
+    Case(bs=64, h=128, hv=64, n=4, k=1, causal=True, counts=False, dtype="float16"),
+    Case(bs=128, h=64, hv=64, b=2, sq=300, skv=2000, density=1.0, partial=True),
+], ids=["bs128_causal", "bs64_gqa4_partial", "bs64_mqa_no_counts_f16", "bs128_dense_b2"])
+def test_matches_xla_engine(c):
+  _check(c, seed=1)
+
+
+def test_empty_selection_outputs_zero():
+  c = Case(density=0.0, causal=True)
+  arrays, meta, cts = make_inputs(c, 2)
+  out, lse, dq, dk, dv = run(c, arrays, meta, cts, "triton")
+  assert np.all(out == 0) and np.all(lse == -np.inf)
+  assert np.all(dq == 0) and np.all(dk == 0) and np.all(dv == 0)
+
+
+def test_backward_is_deterministic():
+  """dk and dv sum over many query blocks and a GQA group of 4 heads: two runs give the
+  same bits."""
+  c = Case(sq=4096, skv=4096, n=8, k=2, bs=64, density=0.5, causal=True)
+  arrays, meta, cts = make_inputs(c, 3)
+  first = run(c, arrays, meta, cts, "triton")
+  second = run(c, arrays, meta, cts, "triton")
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+    assert np.array_equal(a, b), name
+
+
+def test_long_sequence():
+  _check(Case(sq=16384, skv=16384, n=2, k=1, bs=128, density=0.05, causal=True), seed=4)
+
+
+def test_engine_is_opt_in():
+  """Opt-in: without implementation= the xla engine serves."""
+  c = Case()
+  arrays, (index, counts, _), _ = make_inputs(c, 5)
+  text = cudnn_jax.explain("bsa", *arrays, index, counts, block_size=c.bs)
+  assert "'xla' serves" in text and "triton: declines: opt-in" in text
+  assert "'triton' serves" in cudnn_jax.explain("bsa", *arrays, index, counts,
+                                                block_size=c.bs, implementation="triton")
+
+
+# ---------------------------------------------------------------------------------------
+# The randomized sweep.
+
+
+def random_case(rng) -> Case:
+  bs = int(rng.choice([64, 128]))
+  k = int(rng.choice([1, 2, 4]))
+  return Case(
+      b=int(rng.choice([1, 2])), sq=int(rng.integers(1, 2049)), skv=int(rng.integers(1, 2049)),
+      n=k * int(rng.choice([1, 2, 4])), k=k, h=int(rng.choice([64, 128])),
+      hv=int(rng.choice([64, 128])), bs=bs,
+      density=float(rng.choice([0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0])),
+      causal=bool(rng.random() < 0.5), partial=bool(rng.random() < 0.4),
+      counts=bool(rng.random() < 0.7), dtype=str(rng.choice(["bfloat16", "float16"])))
+
+
+def sweep_cases():
+  rng = np.random.default_rng(20261205)
+  count = int(os.environ.get("CUDNN_JAX_SWEEP_N", "60"))
+  cases = [(random_case(rng), seed) for seed in range(count)]
+  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
+  return cases[index::shards]
+
+
+def test_random_sweep(capsys):
+  records = []
+  for c, seed in sweep_cases():
+    record = dict(config=f"bsa {dataclasses.asdict(c)}", seed=seed)
+    try:
+      errors, problems, seconds = compare(c, seed)
+    except Exception as e:  # pylint: disable=broad-except
+      record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
+    else:
+      record.update(status="failed" if problems else "ok", errors=errors, problems=problems,
+                    seconds=dict(triton=seconds))
+    records.append(record)
+    with capsys.disabled():  # progress, so a run cut short still reports what it did
+      print(json.dumps(record, default=str), flush=True)
+    jax.clear_caches()
+
+  status = collections.Counter(r["status"] for r in records)
+  failed = [r for r in records if r["status"] == "failed"]
+  with capsys.disabled():
+    print(f"\nbsa triton sweep: {dict(status)}")
+  assert records and not failed, "\n".join(f"{r['config']}: {r['problems']}" for r in failed)
