@@ -172,3 +172,59 @@ def test_config_attributes_are_the_handlers():
     names = _extension.handler_attributes().get(target)
     if names is not None:  # built with the extension
       assert names == tuple(attributes), target
+
+
+def test_cuda_lowering_calls_the_three_handlers(emulated, monkeypatch):
+  """The engine lowered for CUDA (exported, no GPU needed): the forward handler with the
+  graph's tail as attributes, and under differentiation its activation-free twin, dgrad
+  and wgrad."""
+
+  class Sized:  # the extension's workspace query, without a device
+    conv3d_workspace = staticmethod(lambda config: 256)
+
+  monkeypatch.setattr(_extension, "module", lambda: Sized)
+  emulated("conv3d", "cudnn")
+  targets = [f"cudnn_jax_conv3d_{p}" for p in ("fwd", "dgrad", "wgrad")]
+  export = functools.partial(
+      jax.export.export, platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets])
+  arrays, kwargs = _arrays(True, dtype=jnp.bfloat16, activation="silu", padding="CAUSAL")
+  call = lambda a: cudnn_jax.conv3d(**a, **kwargs)
+  forward = export(jax.jit(call))(arrays).mlir_module()
+  assert forward.count("cudnn_jax_conv3d_fwd") == 1 and "dgrad" not in forward
+  assert 'activation = "silu"' in forward and "pad_t_lo = 2 : i32" in forward
+  loss = lambda a: jnp.sum(call(a).astype(jnp.float32))
+  backward = export(jax.jit(jax.grad(loss)))(arrays).mlir_module()
+  for target in targets:
+    assert backward.count(target) == 1, target
+  assert 'activation = "none"' in backward
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_block_takes_the_cudnn_engine_where_it_serves(monkeypatch, api):
+  """CausalConv3dBlock in bf16 where the cudnn engine serves (its support check told so,
+  as on a GPU): every convolution of the block runs on it, by default, and the block's
+  output is the xla engine's."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from cudnn_jax import flax_modules  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.flax_modules import nnx as nnx_modules  # pylint: disable=g-import-not-at-top
+
+  class Serves:
+    conv3d_check = staticmethod(lambda config: "")
+
+  x = normal(0, (1, 4, 6, 6, 8), dtype=jnp.bfloat16)
+  if api == "linen":
+    block = lambda **kw: flax_modules.CausalConv3dBlock(features=16, **kw)
+    params = block().init(jax.random.key(0), x)
+    run = lambda **kw: block(**kw).apply(params, x)
+  else:  # the same seed, the same parameters
+    run = lambda **kw: nnx_modules.CausalConv3dBlock(8, 16, rngs=nnx.Rngs(0), **kw)(x)
+  want = run(implementation="xla")
+  monkeypatch.setattr(_extension, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(_extension, "module", lambda: Serves)
+  chosen, choose = [], engines.choose
+  monkeypatch.setattr(engines, "choose", lambda *a: chosen.append(choose(*a).name) or
+                      engines.engine("conv3d", chosen[-1]))
+  got = run()
+  assert chosen == ["cudnn"] * 3, chosen  # conv1, the 1x1x1 skip, conv2
+  assert _rel(got, want) < 2e-2
