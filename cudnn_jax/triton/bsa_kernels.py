@@ -42,6 +42,11 @@ from jax.experimental.pallas import triton as pl_triton
 
 from cudnn_jax.reference import matmul_precision
 
+# Exponentials are taken base 2 (one ex2 instruction each on the GPU): logits are scaled by
+# log2(e) and the lse converted at the ends.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
 
 def _params(bs, dtype):
   # One warp group per 64 query rows. Two stages overlap the next kv block's loads with the
@@ -98,10 +103,11 @@ def _kept(t, c, size, *, bs, causal, sq):
   return keep
 
 
-def _probs(q, k, t, c, size, lse, *, bs, scale, causal, sq):
-  """``p = e^{scale q k^T - lse}`` on the kept pairs, 0 elsewhere: ``[bs, bs]`` float32."""
-  s = scale * _dot(q, k, tb=True) - lse[:, None]
-  return jnp.where(_kept(t, c, size, bs=bs, causal=causal, sq=sq), jnp.exp(s), 0.0)
+def _probs(q, k, t, c, size, lse2, *, bs, scale, causal, sq):
+  """``p = e^{scale q k^T - lse}`` on the kept pairs, 0 elsewhere: ``[bs, bs]`` float32;
+  ``lse2 = log2(e) lse``."""
+  s2 = (scale * LOG2E) * _dot(q, k, tb=True) - lse2[:, None]
+  return jnp.where(_kept(t, c, size, bs=bs, causal=causal, sq=sq), jnp.exp2(s2), 0.0)
 
 
 def _block(ref, b, c, head, bs):
@@ -124,11 +130,11 @@ def _forward_kernel(blocks_ref, counts_ref, sizes_ref, q_ref, k_ref, v_ref, o_re
     c = blocks_ref[b, n, m, j]
     k, v = _block(k_ref, b, c, n // group, bs), _block(v_ref, b, c, n // group, bs)
     keep = _kept(t, c, sizes_ref[b, n // group, c], bs=bs, causal=causal, sq=sq)
-    s = jnp.where(keep, scale * _dot(q, k, tb=True), -jnp.inf)
-    mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
+    s2 = jnp.where(keep, (scale * LOG2E) * _dot(q, k, tb=True), -jnp.inf)
+    mx_new = jnp.maximum(mx, jnp.max(s2, axis=1))
     base = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)  # rows with no kept key so far
-    p = jnp.exp(s - base[:, None])
-    alpha = jnp.exp(mx - base)
+    p = jnp.exp2(s2 - base[:, None])
+    alpha = jnp.exp2(mx - base)
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
     return acc, mx_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -137,7 +143,7 @@ def _forward_kernel(blocks_ref, counts_ref, sizes_ref, q_ref, k_ref, v_ref, o_re
   acc, mx, l = jax.lax.fori_loop(0, counts_ref[b, n, m], step, init)
   kept = l > 0
   o_ref[...] = (acc / jnp.where(kept, l, 1.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(kept, mx + jnp.log(jnp.where(kept, l, 1.0)), -jnp.inf)
+  lse_ref[...] = jnp.where(kept, LN2 * (mx + jnp.log2(jnp.where(kept, l, 1.0))), -jnp.inf)
 
 
 def _token_spec(bs, d, at):
@@ -173,13 +179,13 @@ def forward(q, k, v, blocks, counts, sizes, *, bs, scale, causal, sq, interpret=
 def _dq_kernel(blocks_ref, counts_ref, sizes_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, dq_ref, *, bs, group, scale, causal, sq):
   b, n, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q, do, lse2, delta = q_ref[...], do_ref[...], LOG2E * lse_ref[...], delta_ref[...]
   t = _rows(m, bs)
 
   def step(j, dq):
     c = blocks_ref[b, n, m, j]
     k, v = _block(k_ref, b, c, n // group, bs), _block(v_ref, b, c, n // group, bs)
-    p = _probs(q, k, t, c, sizes_ref[b, n // group, c], lse, bs=bs, scale=scale,
+    p = _probs(q, k, t, c, sizes_ref[b, n // group, c], lse2, bs=bs, scale=scale,
                causal=causal, sq=sq)
     ds = p * (_dot(do, v, tb=True) - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
@@ -201,7 +207,8 @@ def _dkdv_kernel(pairs_ref, starts_ref, totals_ref, sizes_ref, q_ref, k_ref, v_r
     q, do = _block(q_ref, b, m, n, bs), _block(do_ref, b, m, n, bs)
     rows = pl.ds(pl.multiple_of(m * bs, bs), bs)
     lse, delta = lse_ref[b, n, rows], delta_ref[b, n, rows]
-    p = _probs(q, k, _rows(m, bs), c, size, lse, bs=bs, scale=scale, causal=causal, sq=sq)
+    p = _probs(q, k, _rows(m, bs), c, size, LOG2E * lse, bs=bs, scale=scale, causal=causal,
+               sq=sq)
     dv = dv + _dot(p.astype(do.dtype), do, ta=True)
     ds = p * (_dot(do, v, tb=True) - delta[:, None])
     return dk + _dot(ds.astype(q.dtype), q, ta=True), dv
