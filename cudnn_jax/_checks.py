@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,3 +84,24 @@ def arrays(*xs):
   """Validated array arguments as JAX arrays (NumPy arrays too, so that a constant captured
   by jit is indexed and sharded like any other input); None stays None."""
   return tuple(None if x is None else jnp.asarray(x) for x in xs)
+
+
+def flag(name, value):
+  """A static bool argument (``is_causal``): True or False, not a truthy stand-in."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name}: expected a bool, got {value!r}")
+  return bool(value)
+
+
+def prng_key(name, x):
+  """A PRNG key: one typed key (``jax.random.key``) or a raw uint32 key
+  (``jax.random.PRNGKey``)."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name}: expected a PRNG key (jax.random.key(...)), got "
+                    f"{type(x).__name__}")
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if x.shape:
+      raise ValueError(f"{name}: expected a single key of shape (), got shape {x.shape}")
+  elif jnp.dtype(x.dtype) != jnp.uint32 or x.ndim != 1:
+    raise TypeError(f"{name}: expected a PRNG key (jax.random.key(...) or a uint32 "
+                    f"jax.random.PRNGKey), got {jnp.dtype(x.dtype).name} of shape {x.shape}")

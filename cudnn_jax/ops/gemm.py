@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, _extension, engines, epilogue
+from cudnn_jax import _checks, _extension, _metadata, engines, epilogue
 from cudnn_jax.primitives import core
 from cudnn_jax.primitives import grouped_gemm as prim
 from cudnn_jax.reference import gemm as ref
@@ -182,7 +182,9 @@ def grouped_gemm(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=None,
   ``glu``), ``group_sizes [G]`` int32 (group g owns the next ``group_sizes[g]`` rows),
   ``bias [G, N]`` (``[G, 2N]``). Row i of group g: ``epilogue(lhs[i] @ rhs[g] + bias[g])``
   with the epilogue of ``gemm`` (activation, or glu with activation None). Rows past
-  ``sum(group_sizes)`` are 0; a negative group size counts as 0. Returns ``[M, N]`` in
+  ``sum(group_sizes)`` are 0; a negative group size counts as 0 and groups past row M are
+  cut there, on every engine. Under ``jax.experimental.checkify.checkify`` (user checks)
+  such a size raises an error naming ``group_sizes`` and the entry. Returns ``[M, N]`` in
   ``out_dtype`` (default: lhs's dtype). Differentiable in lhs, rhs, bias.
 
   Under ``jax.vmap`` the batch runs as one call (on the GPU engines, one kernel launch over
@@ -190,6 +192,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, bias=None, activation=None, glu=None,
   """
   call, inputs = _prepare_grouped(lhs, rhs, group_sizes, bias=bias, activation=activation,
                                   glu=glu, out_dtype=out_dtype)
+  _metadata.check_group_sizes("group_sizes", inputs.group_sizes, call.m)  # under checkify
   engine = engines.choose("grouped_gemm", call, implementation)
   arrays = [x[None] for x in inputs if x is not None]
   return _grouped_per_shard((engine.name, call), *arrays)[0][0]

@@ -19,10 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.primitives import core
 
-CHUNK_SIZES = (32, 64)
+CHUNK_SIZES = {"kda": (32, 64), "gdn": (16, 32, 64)}  # gdn's 16 as FLA's chunk_gated_delta_rule
 
 
 class KdaInputs(NamedTuple):
@@ -70,20 +70,34 @@ def _float32(name, x, shape):
   _checks.expect_shape(name, x, shape)
 
 
-def _flag(name, value):
-  if not isinstance(value, bool):
-    raise TypeError(f"{name}: expected a bool, got {value!r}")
-  return value
+# What FLA's chunk_kda / chunk_gated_delta_rule do with an argument their flags leave
+# unused: silently ignore it. Here it raises, saying so.
+_FLA_IGNORES = {
+    "a_log": "FLA would ignore it and read g as the log decay",
+    "dt_bias": "FLA would ignore it and read g as the log decay",
+    "lower_bound": "FLA would ignore it and read g as the log decay",
+    "allow_neg_eigval": "FLA would ignore it and use beta as given",
+}
+
+
+def _a_log(a_log, A_log):  # pylint: disable=invalid-name
+  """``a_log``, also under FLA's spelling ``A_log`` (not both)."""
+  if A_log is None:
+    return a_log
+  if a_log is not None:
+    raise ValueError("a_log, A_log: the same argument under two spellings; give one")
+  return A_log
 
 
 def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
              output_final_state=False, use_qk_l2norm_in_kernel=False,
              use_gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cu_seqlens=None,
-             chunk_size=64, implementation=None):
+             chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
   """Validates the user's arguments into ``(KdaCall, operands)``: the arrays present, in
   the order of ``_rule``, as JAX arrays, ``dt_bias`` as ``[HV,K]`` (kda) or ``[HV]`` (gdn)."""
   del implementation
+  a_log = _a_log(a_log, A_log)
   scalar_gate = op == "gdn"
   _checks.shape_of("q", q, 4)
   _checks.shape_of("k", k, 4)
@@ -94,6 +108,9 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
     raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, h, kdim = q.shape
   _checks.expect_shape("k", k, q.shape)
+  if h < 1 or kdim < 1:
+    raise ValueError(f"q: expected [B,T,H,K] with H >= 1 heads and head dim K >= 1 (the "
+                     f"scale is K**-0.5), got {tuple(q.shape)}")
   hv, vdim = v.shape[2], v.shape[3]
   if v.shape[:2] != (b, t):
     raise ValueError(f"v: expected [B,T,HV,V] with B={b}, T={t}, got {tuple(v.shape)}")
@@ -118,14 +135,14 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
   if initial_state is not None:
     _float32("initial_state", initial_state, (n, hv, kdim, vdim))
 
-  _flag("use_gate_in_kernel", use_gate_in_kernel)
+  _checks.flag("use_gate_in_kernel", use_gate_in_kernel)
   for name, x in (("a_log", a_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
     if x is not None and not use_gate_in_kernel:
-      raise ValueError(f"{name}: only used with use_gate_in_kernel=True")
+      raise ValueError(f"{name}: only used with use_gate_in_kernel=True ({_FLA_IGNORES[name]})")
   if a_log is not None:
     _float32("a_log", a_log, (hv,))
   if dt_bias is not None:
-    _float32("dt_bias", dt_bias, (hv,) if scalar_gate else (hv * kdim,))
+    _dt_bias(dt_bias, hv, 1 if scalar_gate else kdim)
   if lower_bound is not None:
     if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
       raise TypeError(f"lower_bound: expected a Python float or None, got {lower_bound!r}")
@@ -134,29 +151,40 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
     lower_bound = float(lower_bound)
   elif use_gate_in_kernel and a_log is None:
     raise ValueError("a_log: required with use_gate_in_kernel=True (unless lower_bound is set)")
-  _flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
-  if _flag("allow_neg_eigval", allow_neg_eigval) and not use_beta_sigmoid_in_kernel:
-    raise ValueError("allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True")
+  _checks.flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+  if _checks.flag("allow_neg_eigval", allow_neg_eigval) and not use_beta_sigmoid_in_kernel:
+    raise ValueError("allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True "
+                     f"({_FLA_IGNORES['allow_neg_eigval']})")
 
   if scale is None:
     scale = kdim ** -0.5
   elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
     raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
-  _checks.one_of("chunk_size", chunk_size, CHUNK_SIZES)
+  _checks.one_of("chunk_size", chunk_size, CHUNK_SIZES[op])
 
   call = KdaCall(
       op=op, b=b, t=t, h=h, hv=hv, k=kdim, v=vdim, n=n, dtype=jnp.dtype(q.dtype).name,
       scale=float(scale), has_initial_state=initial_state is not None,
-      output_final_state=_flag("output_final_state", output_final_state),
-      qk_l2norm=_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+      output_final_state=_checks.flag("output_final_state", output_final_state),
+      qk_l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
       gate_in_kernel=use_gate_in_kernel, has_a_log=a_log is not None,
       has_dt_bias=dt_bias is not None, lower_bound=lower_bound,
       beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
       varlen=cu_seqlens is not None, chunk_size=int(chunk_size))
-  if dt_bias is not None and not scalar_gate:  # with the value heads it belongs to
-    dt_bias = jnp.reshape(dt_bias, (hv, kdim))
+  if dt_bias is not None:  # with the value heads it belongs to
+    dt_bias = jnp.reshape(dt_bias, (hv,) if scalar_gate else (hv, kdim))
   operands = (q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
   return call, tuple(jnp.asarray(x) for x in operands if x is not None)
+
+
+def _dt_bias(dt_bias, hv, kg):
+  """``dt_bias`` float32 ``[HV*Kg]`` or ``[HV, Kg]`` (FLA takes either), ``Kg`` = K (kda)
+  or 1 (gdn: ``[HV]``, ``[HV, 1]``)."""
+  _checks.shape_of("dt_bias", dt_bias)
+  _checks.float_dtype("dt_bias", dt_bias, (jnp.float32,))
+  if tuple(dt_bias.shape) not in ((hv * kg,), (hv, kg)):
+    forms = f"({hv},)" + ("" if kg == 1 else f" ([HV*K]) or ({hv}, {kg}) ([HV,K])")
+    raise ValueError(f"dt_bias: expected shape {forms}, got {tuple(dt_bias.shape)}")
 
 
 def _rule(config, *shapes):
@@ -199,6 +227,8 @@ _per_shard = core.per_shard("kda", _on_shard, _rule, shardable=("b", ("h", "v"))
 
 def _apply(op, q, k, v, g, beta, kwargs):
   call, operands = _prepare(q, k, v, g, beta, op=op, **kwargs)
+  if call.varlen:  # under checkify only
+    _metadata.check_cu_seqlens("cu_seqlens", kwargs["cu_seqlens"], call.t)
   engine = engines.choose(op, call, kwargs.get("implementation"))
   o, final_state = _per_shard((engine.name, call), *operands)
   return o, (final_state if call.output_final_state else None)
@@ -207,7 +237,7 @@ def _apply(op, q, k, v, g, beta, kwargs):
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
         lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-        cu_seqlens=None, chunk_size=64, implementation=None):
+        cu_seqlens=None, chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
   """Kimi Delta Attention (chunked; argument names as in FLA's ``chunk_kda``).
 
   ``q, k [B,T,H,K]``, ``v [B,T,HV,V]`` with ``HV % H == 0`` (value head h reads q/k head
@@ -220,12 +250,21 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   q and k (``x / sqrt(sum x^2 + 1e-6)``); ``use_beta_sigmoid_in_kernel`` takes
   ``beta <- sigmoid(beta)`` (``2 sigmoid(beta)`` with ``allow_neg_eigval``);
   ``use_gate_in_kernel`` takes a raw g: ``g <- -exp(a_log)[h] softplus(g + dt_bias[h,k])``
-  (``a_log [HV]``, optional ``dt_bias [HV*K]``, both float32), or with ``lower_bound`` lb in
-  [-5, 0): ``g <- lb sigmoid(exp(a_log)[h] (g + dt_bias))`` (a_log optional there).
+  (``a_log [HV]``, also spelled ``A_log`` as in FLA; optional ``dt_bias [HV*K]`` or
+  ``[HV,K]``; both float32), or with ``lower_bound`` lb in [-5, 0):
+  ``g <- lb sigmoid(exp(a_log)[h] (g + dt_bias))`` (a_log optional there). An argument its
+  flag leaves unused (a_log, dt_bias, lower_bound without ``use_gate_in_kernel``,
+  ``allow_neg_eigval`` without ``use_beta_sigmoid_in_kernel``) raises ValueError, where
+  FLA would ignore it.
 
   ``initial_state [N,HV,K,V]`` float32 (zeros when None). ``cu_seqlens [N+1]`` int32 packs
   N sequences along T (B must be 1); each starts from its own initial state, and a
-  zero-length one returns its initial state. ``chunk_size`` (32 or 64) only tunes speed.
+  zero-length one returns its initial state. Sequence i is served only when
+  ``0 <= cu[i] <= cu[i+1] <= T`` and ``cu[i]`` is at least every earlier entry; any other
+  is empty (its final state is its initial state, or zeros) and tokens no served sequence
+  owns output 0. Under ``jax.experimental.checkify.checkify`` (user checks) such an entry
+  raises an error naming ``cu_seqlens`` and the entry. ``chunk_size`` (32 or 64; gdn also
+  16) only tunes speed.
 
   Under ``jax.jit`` with inputs sharded on a device mesh (either axis type, inside
   ``jax.set_mesh`` or not), each device computes on its shard of the batch (of N for
@@ -245,11 +284,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
         lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-        cu_seqlens=None, chunk_size=64, implementation=None):
+        cu_seqlens=None, chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
   """Gated DeltaNet: ``cudnn_jax.kda`` with a scalar gate per head.
 
-  ``g [B,T,HV]`` (``diag(exp(g_t))`` becomes ``exp(g_t) I``) and ``dt_bias [HV]``; every
-  other argument and the result are as in ``cudnn_jax.kda``.
+  ``g [B,T,HV]`` (``diag(exp(g_t))`` becomes ``exp(g_t) I``), ``dt_bias [HV]`` (or
+  ``[HV,1]``) and ``chunk_size`` 16, 32 or 64; every other argument and the result are as
+  in ``cudnn_jax.kda``.
   """
   kwargs = {k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v", "g", "beta")}
   return _apply("gdn", q, k, v, g, beta, kwargs)

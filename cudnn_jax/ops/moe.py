@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cudnn_jax import _checks, engines, epilogue
+from cudnn_jax import _checks, _metadata, engines, epilogue
 from cudnn_jax.ops.gemm import GroupedGemmCall, grouped_gemms
 from cudnn_jax.primitives import core
 from cudnn_jax.reference import moe as ref
@@ -83,7 +83,9 @@ def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
   ``e = expert_indices[t,j]``, where ``epi`` is the ``glu`` ("swiglu", "geglu", "reglu";
   ``activation`` must then be None) or, with ``glu=None``, ``activation`` (see
   ``cudnn_jax.gemm``). An out-of-range expert index contributes 0 (nothing is read or
-  written out of bounds). Every token is served (no capacity limit).
+  written out of bounds; under ``jax.experimental.checkify.checkify`` with user checks it
+  raises an error naming ``expert_indices`` and the entry). Every token is served (no
+  capacity limit); with k = 0 choices, ``y = 0``.
 
   Routing (a stable sort of the pairs by expert), both grouped GEMMs and the weighted
   combine run inside this one function, so it jits whole. Returns ``y [T, D]`` in x's
@@ -97,6 +99,9 @@ def moe_mlp(x, expert_indices, expert_weights, w_up, w_down, *, glu="swiglu",
   """
   call, inputs = _prepare(x, expert_indices, expert_weights, w_up, w_down, glu=glu,
                           activation=activation)
+  _metadata.check_indices("expert_indices", inputs.expert_indices, call.experts)
+  if call.top_k == 0 or call.tokens == 0:  # y = 0 (an empty sum) on every engine
+    return jnp.zeros_like(inputs.x)
   tokens, experts = _explicit_axes(inputs.x), _explicit_axes(inputs.w_up)
   if experts is not None and not set(_names(experts)) & set(_names(tokens)):
     run = lambda call, inputs: engines.dispatch("moe_mlp", implementation, call, inputs)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.ops import sdpa_context_parallel
 from cudnn_jax.engines import UnsupportedError
 
@@ -105,8 +105,12 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     raise ValueError(f"key: expected [B,S,K,H] matching value's S={s}, K={k}, got {ks}")
   if key.shape[3] != h:
     raise ValueError(f"key: head dim must equal query's H={h}, got shape {ks}")
-  if n % k:
-    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k}")
+  if k < 1 or n % k:
+    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k} "
+                     "(K >= 1)")
+  if h < 1:
+    raise ValueError(f"query: head dim H must be >= 1 (the logits' scale is 1/sqrt(H)), got "
+                     f"shape {qs}")
 
   full = (b, n, t, s)
   view = full[1:] if unbatched else full
@@ -133,9 +137,9 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
       return None
     _checks.shape_of(name, x, 1 if not unbatched else (0, 1))
     _checks.int_dtype(name, x)
-    x = x.reshape(-1).astype(jnp.int32)
+    x = x.reshape(-1)
     _checks.expect_shape(name, x, (b,))
-    return x
+    return _metadata.clamp_lengths(x, size)
   query_seq_lengths = lengths("query_seq_lengths", query_seq_lengths, t)
   key_value_seq_lengths = lengths("key_value_seq_lengths", key_value_seq_lengths, s)
 
@@ -150,7 +154,8 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     kv_segment_ids = kv_segment_ids.reshape(b, s).astype(jnp.int32)
 
   if sinks is not None:
-    _checks.float_dtype("sinks", sinks)
+    _checks.shape_of("sinks", sinks)
+    _checks.float_dtype("sinks", sinks, (jnp.float32,))
     _checks.expect_shape("sinks", sinks, (n,))
 
   if scale is None:
@@ -166,6 +171,8 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     raise ValueError(f"dropout_rate: expected a float in [0, 1), got {dropout_rate!r}")
   if dropout_rate > 0 and dropout_rng is None:
     raise ValueError("dropout_rng: required when dropout_rate > 0")
+  if dropout_rate > 0:
+    _checks.prng_key("dropout_rng", dropout_rng)
   _checks.one_of("context_parallel_strategy", context_parallel_strategy, ("all_gather", "ring"))
   if context_parallel_axis is not None:
     unserved = [name for name, x in (
@@ -178,7 +185,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
 
   call = SdpaCall(
       b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=jnp.dtype(query.dtype).name,
-      scale=float(scale), is_causal=bool(is_causal),
+      scale=float(scale), is_causal=_checks.flag("is_causal", is_causal),
       bottom_right=causal_alignment == "bottom_right", window=_window(local_window_size),
       bias_shape=None if bias is None else tuple(bias.shape),
       mask_shape=None if mask is None else tuple(mask.shape),
@@ -186,7 +193,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
       has_kv_lengths=key_value_seq_lengths is not None,
       has_segments=q_segment_ids is not None, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, dropout_rate=float(dropout_rate),
-      return_lse=bool(return_lse), unbatched=unbatched,
+      return_lse=_checks.flag("return_lse", return_lse), unbatched=unbatched,
       context_parallel=None if context_parallel_axis is None else (
           context_parallel_axis, context_parallel_strategy,
           sdpa_context_parallel.mesh_size(context_parallel_axis, query)))
@@ -244,6 +251,10 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
       kv_segment_ids=kv_segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_lse=return_lse, context_parallel_axis=context_parallel_axis,
       context_parallel_strategy=context_parallel_strategy)
+  for name, x, size in (("query_seq_lengths", query_seq_lengths, call.t),
+                        ("key_value_seq_lengths", key_value_seq_lengths, call.s)):
+    if x is not None:
+      _metadata.check_lengths(name, x, size)
   if context_parallel_axis is not None:
     return sdpa_context_parallel.sdpa_context_parallel(
         sdpa, query, key, value, axis=context_parallel_axis,

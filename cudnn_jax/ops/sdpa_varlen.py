@@ -12,41 +12,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
 
 
-def segment_rows(cu_seqlens, total, max_len):
-  """(starts [n], lengths [n]) of the sequences ``cu_seqlens [n+1]`` describes in ``total``
-  packed rows, each at most ``max_len`` long, clipped so that no index leaves the rows."""
-  cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, total)
-  starts = cu[:-1]
-  lengths = jnp.clip(cu[1:] - starts, 0, max_len)
-  return starts, lengths
+def pad_rows(x, index):
+  """Packed ``x [T, ...]`` -> ``[n, max_len, ...]`` by ``_metadata.packed_slots``'s
+  ``index [n, max_len]``: row ``(i, t)`` is ``x[index[i, t]]``, 0 where out of range."""
+  return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def pad_rows(x, starts, lengths, max_len):
-  """Packed ``x [T, ...]`` -> ``[n, max_len, ...]``: row ``(i, t)`` is ``x[starts[i] + t]``
-  for ``t < lengths[i]``, else 0."""
-  t = jnp.arange(max_len, dtype=jnp.int32)
-  valid = t[None, :] < lengths[:, None]
-  index = jnp.where(valid, starts[:, None] + t[None, :], 0)
-  rows = jnp.take(x, jnp.clip(index, 0, max(x.shape[0] - 1, 0)), axis=0)
-  valid = valid.reshape(valid.shape + (1,) * (x.ndim - 1))
-  return jnp.where(valid, rows, jnp.zeros((), x.dtype))
+def unpad_rows(y, index, total, fill=0):
+  """The inverse of ``pad_rows``: ``y [n, max_len, ...]`` -> ``[total, ...]``, rows no slot
+  holds set to ``fill``."""
+  slot, owned = _metadata.row_slots(index, total)
+  rows = y.reshape((-1,) + y.shape[2:])[slot]
+  owned = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
+  return jnp.where(owned, rows, jnp.asarray(fill, y.dtype))
 
 
-def packed_rows(cu_seqlens, lengths, total):
-  """(sequence [T], position [T], valid [T]) of each packed row: which padded row holds it.
-  Rows past ``cu_seqlens[-1]``, and rows of a sequence past its (clipped) length, are not
-  valid."""
-  n = lengths.shape[0]
-  p = jnp.arange(total, dtype=jnp.int32)
-  cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, total)
-  seq = jnp.clip(jnp.searchsorted(cu[1:], p, side="right").astype(jnp.int32), 0, n - 1)
-  pos = p - cu[seq]
-  valid = (p < cu[-1]) & (pos >= 0) & (pos < lengths[seq])
-  return seq, jnp.where(valid, pos, 0), valid
+def _sequences(cu_seqlens, total, max_len):
+  """(index [n, max_len], lengths [n]) of the served sequences, cut at ``max_len``."""
+  starts, lengths = _metadata.served_sequences(cu_seqlens, total)
+  index, _ = _metadata.packed_slots(starts, lengths, max_len, total)
+  return index, jnp.minimum(lengths, max_len)
 
 
 def _prepare(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q, max_seqlen_kv,
@@ -71,14 +60,23 @@ def _prepare(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q, ma
     raise ValueError(f"key, value: expected one token count, got shapes {tuple(key.shape)} "
                      f"and {tuple(value.shape)}")
 
-  q_starts, q_lengths = segment_rows(cu_seqlens_q, query.shape[0], max_q)
-  kv_starts, kv_lengths = segment_rows(cu_seqlens_kv, key.shape[0], max_kv)
-  return sdpa_prepare(
-      pad_rows(query, q_starts, q_lengths, max_q), pad_rows(key, kv_starts, kv_lengths, max_kv),
-      pad_rows(value, kv_starts, kv_lengths, max_kv), scale=scale, is_causal=is_causal,
+  q_index, q_lengths = _sequences(cu_seqlens_q, query.shape[0], max_q)
+  kv_index, kv_lengths = _sequences(cu_seqlens_kv, key.shape[0], max_kv)
+  call, inputs = sdpa_prepare(
+      pad_rows(query, q_index), pad_rows(key, kv_index), pad_rows(value, kv_index),
+      scale=scale, is_causal=is_causal,
       causal_alignment=causal_alignment, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse,
       query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
+  return call, inputs, q_index
+
+
+def _check(query, key, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv):
+  """The metadata checks, under ``checkify`` only."""
+  _metadata.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_q,
+                             "max_seqlen_q")
+  _metadata.check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, key.shape[0], max_kv,
+                             "max_seqlen_kv")
 
 
 def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q, max_seqlen_kv,
@@ -94,26 +92,31 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q,
   gets ``sdpa``'s math on its own rows (causal and window positions count within the
   sequence; ``causal_alignment="bottom_right"`` aligns the ends of its query and key rows).
 
-  Returns ``out [Tq,N,Hv]`` (rows past ``cu_seqlens_q[-1]`` are 0) and, with
-  ``return_lse=True``, ``lse [N,Tq]`` float32 (-inf on those rows). Rows of a sequence
-  longer than its ``max_seqlen`` bound are treated like rows past the end; indices never
-  leave the arrays. Differentiable in query, key, value and sinks.
+  Returns ``out [Tq,N,Hv]`` and, with ``return_lse=True``, ``lse [N,Tq]`` float32.
+
+  Invalid offsets (SPEC section 8): sequence i is served only when
+  ``0 <= cu[i] <= cu[i+1] <= rows`` and ``cu[i]`` is at least every earlier entry, any
+  other is empty; a sequence longer than ``max_seqlen_*`` is cut to its first
+  ``max_seqlen_*`` rows. Rows no served sequence owns (past ``cu_seqlens_q[-1]``, past a
+  cut, of an empty sequence) output 0 with lse -inf; nothing is read out of bounds or from
+  another sequence. Under ``jax.experimental.checkify.checkify`` (user checks) each such
+  offset raises an error naming the argument and the entry. Differentiable in query, key,
+  value and sinks.
 
   ``implementation`` as for ``sdpa``: the engines of ``sdpa`` serve the padded batch
   (``cudnn_jax.explain("sdpa_varlen", ...)`` names the one that would).
   """
-  call, inputs = _prepare(query, key, value, cu_seqlens_q, cu_seqlens_kv,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, scale=scale,
-                          is_causal=is_causal, causal_alignment=causal_alignment,
-                          local_window_size=local_window_size,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse)
+  call, inputs, q_index = _prepare(
+      query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+      max_seqlen_kv=max_seqlen_kv, scale=scale, is_causal=is_causal,
+      causal_alignment=causal_alignment, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse)
+  _check(query, key, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
   out, lse = engines.dispatch("sdpa_varlen", implementation, call, inputs)
-  seq, pos, valid = packed_rows(cu_seqlens_q, inputs.query_seq_lengths, query.shape[0])
-  out = jnp.where(valid[:, None, None], out[seq, pos], jnp.zeros((), out.dtype))
+  out = unpad_rows(out, q_index, query.shape[0])
   if not return_lse:
     return out
-  lse = jnp.where(valid[None, :], lse[seq, :, pos].T, -jnp.inf)
-  return out, lse
+  return out, unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, query.shape[0], -jnp.inf).T
 
 
 engines.register_op("sdpa_varlen", lambda *a, **kw: _prepare(*a, **kw)[0], engines_of="sdpa")

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cudnn_jax._metadata import row_slots, served_sequences
 from cudnn_jax.reference import matmul_precision
 
 
@@ -550,24 +551,22 @@ class Packing(NamedTuple):
 
 
 def _packing(cu_seqlens, t, c):
-  """Lays packed sequences out so each starts on a chunk boundary (no Python loops)."""
-  cu = jnp.asarray(cu_seqlens, jnp.int32)
-  n = cu.shape[0] - 1
-  lens = cu[1:] - cu[:-1]
+  """Lays packed sequences out so each starts on a chunk boundary (no Python loops). Only
+  the sequences ``_metadata.served_sequences`` serves take rows; the others are empty."""
+  starts, lens = served_sequences(cu_seqlens, t)
+  n = lens.shape[0]
   start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-lens // c))])
-  nc = (t + n * (c - 1)) // c  # enough chunks for any lengths summing to <= t
+  nc = (t + n * (c - 1)) // c  # enough chunks for any served lengths (they sum to <= t)
   chunk = jnp.arange(nc, dtype=jnp.int32)
   in_use = chunk < start[-1]
   seq = jnp.minimum(jnp.searchsorted(start[1:], chunk, side="right"), n - 1).astype(jnp.int32)
   pos = (chunk - start[seq])[:, None] * c + jnp.arange(c, dtype=jnp.int32)
-  valid = in_use[:, None] & (pos < lens[seq][:, None])
-  token = jnp.clip(cu[seq][:, None] + pos, 0, max(t - 1, 0))
-  i = jnp.arange(t, dtype=jnp.int32)
-  s = jnp.minimum(jnp.searchsorted(cu[1:], i, side="right"), n - 1)
+  valid = (in_use[:, None] & (pos < lens[seq][:, None])).reshape(-1)
+  token = jnp.where(valid, (starts[seq][:, None] + pos).reshape(-1), t)
+  slot, inside = row_slots(token, t)  # tokens no served sequence owns are not inside
   seg = Segments(reset=(in_use & (chunk == start[seq]))[:, None], seq=seq[:, None],
                  last=(in_use & (chunk == start[seq + 1] - 1))[:, None], empty=lens == 0)
-  return Packing(token.reshape(-1), valid.reshape(-1), start[s] * c + i - cu[s],
-                 (i >= cu[0]) & (i < cu[-1]), seg)
+  return Packing(jnp.minimum(token, max(t - 1, 0)), valid, slot, inside, seg)
 
 
 def _gather(x, index, valid):

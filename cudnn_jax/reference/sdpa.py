@@ -70,7 +70,7 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
     keep = keep & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
   logits = jnp.where(keep, logits, _NEG_INF)
 
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.max(logits, axis=-1, keepdims=True, initial=_NEG_INF)  # S = 0: no keys
   if sinks is not None:
     sink = sinks.astype(jnp.float32)[None, :, None, None]
     row_max = jnp.maximum(row_max, sink)
