@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import cudnn_jax
 from conv3d_oracle import assert_gradients_match, case, normal, oracle
 from cudnn_jax import _extension, engines
+from cudnn_jax.ops import conv3d as conv3d_module
 from cudnn_jax.primitives import conv3d as prim
 from mesh_cases import assert_no_collectives, mesh_or_skip
 
@@ -43,11 +44,13 @@ def _arrays(extras, dtype=jnp.float32, **kwargs):
   return dict(arrays, residual=normal(11, shape, dtype=dtype)), kwargs
 
 
-@pytest.mark.parametrize("extras", [True, False], ids=["extras", "bare"])
+@pytest.mark.parametrize("extras,tail", [(True, "cudnn"), (False, "cudnn"), (True, "xla")],
+                         ids=["extras", "bare", "extras_tail_in_xla"])
 @pytest.mark.parametrize("kwargs", [k for _, k in OPTIONS], ids=[n for n, _ in OPTIONS])
-def test_values_and_gradients_match_float64(emulated, kwargs, extras):
+def test_values_and_gradients_match_float64(emulated, monkeypatch, kwargs, extras, tail):
   arrays, kwargs = _arrays(extras, **kwargs)
   emulated("conv3d", "cudnn")
+  monkeypatch.setattr(conv3d_module, "TAIL", tail)
   call = functools.partial(cudnn_jax.conv3d, **kwargs)
   got = jax.jit(lambda a: call(**a))(arrays)
   want = oracle(**arrays, **kwargs)
@@ -141,7 +144,7 @@ def test_batch_sharded_is_local(emulated, axis_type):
     np.testing.assert_allclose(g, want_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_explain_says_how_the_engine_computes():
+def test_explain_says_how_the_engine_computes(monkeypatch):
   spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   x, w, c = spec((1, 4, 8, 8, 16)), spec((3, 3, 3, 16, 16)), spec((16,))
   text = cudnn_jax.explain("conv3d", x, w, c, norm="rms", norm_scale=c, activation="silu")
@@ -150,9 +153,12 @@ def test_explain_says_how_the_engine_computes():
   prepare = lambda **kw: engines._OPS["conv3d"].prepare(x, w, c, **kw)  # pylint: disable=protected-access
   describe = engines.engine("conv3d", "cudnn").describe
   assert describe(prepare(activation="silu")) == "one cuDNN graph: conv + bias + silu"
-  assert "sum of squares; then the rms norm and silu in one XLA fusion" in describe(
-      prepare(norm="rms", activation="silu"))
-  assert "group statistics" in describe(prepare(norm="group", num_groups=4))
+  assert describe(prepare(norm="rms", activation="silu")) == (
+      "cuDNN graph: conv + bias + each pixel's sum of squares; then in XLA: rms norm + silu")
+  assert describe(prepare(norm="group", num_groups=4)) == (
+      "cuDNN graph: conv + bias; then in XLA: group statistics, then group norm")
+  monkeypatch.setattr(conv3d_module, "TAIL", "xla")
+  assert describe(prepare(activation="silu")) == "cuDNN graph: conv; then in XLA: bias + silu"
 
 
 def test_cudnn_declines_what_it_cannot_serve():

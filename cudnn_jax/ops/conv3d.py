@@ -203,21 +203,28 @@ engines.register_op("conv3d", lambda *a, **kw: _prepare(*a, **kw)[0])
 engines.register_engine("conv3d", "xla", supports=lambda call: None, run=_run_xla)
 
 
-# "cudnn": the convolution and its pointwise tail (bias, residual, and the activation when
-# no norm follows) as one cuDNN graph. cuDNN cannot fuse a norm into a convolution on
-# sm_90, so the graph also writes what the norm needs (a norm over channels: each pixel's
-# sum of squares) and the norm, its scale and bias and the activation run as XLA fusions
-# on the graph's output. Gradients: cuDNN's dgrad and wgrad graphs; the pointwise
-# backward in XLA.
+# "cudnn": the convolution on a cuDNN graph, and its pointwise tail (bias, residual, and
+# the activation when no norm follows) fused into that graph. cuDNN cannot fuse a norm into
+# a convolution on sm_90, so the graph also writes what the norm needs (a norm over
+# channels: each pixel's sum of squares) and the norm, its scale and bias and the
+# activation run as XLA fusions on the graph's output. Gradients: cuDNN's dgrad and wgrad
+# graphs; the pointwise backward in XLA.
+
+# Where the tail runs: "cudnn" (fused into the convolution's graph, as above) or "xla" (a
+# graph of the convolution alone, the whole tail as XLA fusions after it). A cuDNN graph
+# with a tail may run on a slower convolution kernel than the convolution alone, so which
+# is faster depends on the GPU: bench/conv3d.py times both.
+TAIL = "cudnn"
 
 
-def _graph_config(call: Conv3dCall) -> prim.Conv3dConfig:
-  activation = call.activation if call.norm is None else None
+def _graph_config(call: Conv3dCall, tail: str) -> prim.Conv3dConfig:
+  fused = tail == "cudnn"
+  activation = call.activation if fused and call.norm is None else None
   return prim.Conv3dConfig(
       padding=call.padding, strides=call.strides, dilation=call.dilation,
       x_spatial=call.in_shape[1:4], kernel=call.kernel[:3], activation=activation or "none",
-      has_bias=call.has_bias, has_residual=call.residual_dtype is not None,
-      with_sumsq=call.norm in ("rms", "l2"), out_dtype=call.out_dtype)
+      has_bias=fused and call.has_bias, has_residual=fused and call.residual_dtype is not None,
+      with_sumsq=fused and call.norm in ("rms", "l2"), out_dtype=call.out_dtype)
 
 
 def _graph(config, x, w, bias, residual):
@@ -265,18 +272,24 @@ _conv_tail.defvjp(_conv_tail_fwd, _conv_tail_bwd)
 
 
 def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
+  config = _graph_config(call, TAIL)
   w = jnp.transpose(x.w, (4, 0, 1, 2, 3))  # [K, kt, kh, kw, C]
-  bias = None if x.bias is None else x.bias.astype(jnp.float32)
-  y, sumsq = _conv_tail(_graph_config(call), x.x, w, bias, x.residual)
-  if call.norm is None:
-    return y
+  bias = x.bias.astype(jnp.float32) if config.has_bias else None
+  y, sumsq = _conv_tail(config, x.x, w, bias, x.residual if config.has_residual else None)
+  if TAIL == "cudnn" and call.norm is None:
+    return y  # the whole computation ran in the graph
+  # The rest of the tail, in float32.
   y = y.astype(jnp.float32)
-  if sumsq is None:
-    y = ref.normalize(y, call.norm, call.num_groups, call.eps)
-  else:
+  if x.bias is not None and not config.has_bias:
+    y = y + x.bias.astype(jnp.float32)
+  if x.residual is not None and not config.has_residual:
+    y = y + x.residual.astype(jnp.float32)
+  if sumsq is not None:
     y = ref.channel_normalize(y, sumsq[..., None], call.norm, call.eps)
-  return ref.affine_activation(y, x.norm_scale, x.norm_bias, call.activation).astype(
-      call.out_dtype)
+  elif call.norm is not None:
+    y = ref.normalize(y, call.norm, call.num_groups, call.eps)
+  activation = call.activation if config.activation == "none" else None
+  return ref.affine_activation(y, x.norm_scale, x.norm_bias, activation).astype(call.out_dtype)
 
 
 def _supports_cudnn(call: Conv3dCall) -> str | None:
@@ -286,7 +299,7 @@ def _supports_cudnn(call: Conv3dCall) -> str | None:
     return "an empty extent: nothing to run"
   if why := _extension.unavailable_reason():
     return why
-  config = _graph_config(call)
+  config = _graph_config(call, TAIL)
   n, c, k = call.in_shape[0], call.in_shape[-1], call.kernel[-1]
   # The graphs a call may run: the forward, under differentiation without its activation,
   # and the two gradients.
@@ -302,16 +315,18 @@ def _supports_cudnn(call: Conv3dCall) -> str | None:
 
 
 def _describe_cudnn(call: Conv3dCall) -> str:
-  config = _graph_config(call)
+  config = _graph_config(call, TAIL)
   graph = " + ".join(["conv"] + ["bias"] * config.has_bias + ["residual"] * config.has_residual
-                     + [config.activation] * (config.activation != "none"))
-  if call.norm is None:
+                     + [config.activation] * (config.activation != "none")
+                     + ["each pixel's sum of squares"] * config.with_sumsq)
+  rest = (["bias"] * (call.has_bias and not config.has_bias)
+          + ["residual"] * (call.residual_dtype is not None and not config.has_residual)
+          + [f"{call.norm} norm"] * (call.norm is not None)
+          + [call.activation] * (call.activation is not None and config.activation == "none"))
+  if not rest:
     return f"one cuDNN graph: {graph}"
-  then = "" if call.activation is None else f" and {call.activation}"
-  if config.with_sumsq:
-    return (f"cuDNN graph: {graph}, with each pixel's sum of squares; then the {call.norm} "
-            f"norm{then} in one XLA fusion")
-  return f"cuDNN graph: {graph}; then the group statistics, and the group norm{then}, in XLA"
+  how = "group statistics, then " if call.norm == "group" else ""
+  return f"cuDNN graph: {graph}; then in XLA: {how}{' + '.join(rest)}"
 
 
 engines.register_engine("conv3d", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
