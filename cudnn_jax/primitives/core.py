@@ -241,8 +241,8 @@ class Local:
       elif d is None:
         folded.append(x)
       else:
-        # No batch factor to fold into: vmap the plain-JAX computation itself. (Operands of
-        # the FFI-backed primitives all lead with the batch, so only pure JAX gets here.)
+        # No batch factor to fold into (a vmapped weight): vmap the plain-JAX contract
+        # itself, which XLA compiles on any backend; correct, without the handler.
         outs = jax.vmap(functools.partial(self.impl, config), in_axes=tuple(dims))(*args)
         return tuple(outs), (0,) * len(outs)
     outs = self.p.bind(*folded, config=config)
