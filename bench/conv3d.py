@@ -9,7 +9,9 @@ video VAE pads (time padded in front only, so no frame sees a later one; height 
 SAME; --padding SAME for the symmetric block). Shapes, by default: [1,17,128,128,128],
 [1,9,256,256,128], [1,5,64,64,512].
 Rows per shape, forward and forward+backward (the gradients of x, w, bias and norm_scale):
-- "cudnn_jax <engine>": cudnn_jax.conv3d on each engine of --engines;
+- "cudnn_jax <engine>": cudnn_jax.conv3d on each engine of --engines; for "cudnn" also
+  "cudnn_jax cudnn, tail in xla": the same engine with its pointwise tail after a graph of
+  the convolution alone (``cudnn_jax.ops.conv3d.TAIL = "xla"``) rather than fused into it;
 - anchors, always in the same run: "jax block" (the baseline), the block written in plain
   JAX as a user would (lax.conv_general_dilated in x's dtype, then bias, residual, RMSNorm
   and SiLU in float32, one jit), and "lax conv", lax.conv_general_dilated alone (the
@@ -46,6 +48,7 @@ import numpy as np
 
 import cudnn_jax
 from cudnn_jax.engines import ENGINE_NAMES
+from cudnn_jax.ops import conv3d as conv3d_ops
 from harness import (device_ms, error_text, rel_diff, time_back_to_back, time_calls,
                      write_results)
 
@@ -103,6 +106,17 @@ def jax_block(x, w, b, r, s, *, padding, eps=1e-6):
   return jax.nn.silu(y).astype(x.dtype)
 
 
+def tail_in(tail, block):
+  """``block`` traced with the cudnn engine's pointwise tail placed in ``tail``."""
+  def traced(*args):
+    saved, conv3d_ops.TAIL = conv3d_ops.TAIL, tail
+    try:
+      return block(*args)
+    finally:
+      conv3d_ops.TAIL = saved
+  return traced
+
+
 def contenders(engines, padding):
   """name -> (block (x, w, b, r, s) -> y, the positions of the inputs its backward
   differentiates)."""
@@ -110,8 +124,10 @@ def contenders(engines, padding):
   for engine in engines:
     conv = functools.partial(cudnn_jax.conv3d, padding=padding, norm="rms",
                              activation="silu", implementation=engine)
-    out[f"cudnn_jax {engine}"] = (
-        lambda x, w, b, r, s, conv=conv: conv(x, w, b, residual=r, norm_scale=s), (0, 1, 2, 4))
+    block = lambda x, w, b, r, s, conv=conv: conv(x, w, b, residual=r, norm_scale=s)
+    out[f"cudnn_jax {engine}"] = (tail_in("cudnn", block), (0, 1, 2, 4))
+    if engine == "cudnn":
+      out["cudnn_jax cudnn, tail in xla"] = (tail_in("xla", block), (0, 1, 2, 4))
   out[BASELINE] = (functools.partial(jax_block, padding=padding), (0, 1, 2, 4))
   out["lax conv"] = (lambda x, w, b, r, s: lax_conv(x, w, padding), (0, 1))
   return out
