@@ -109,6 +109,20 @@ def test_bfloat16_and_wide_values(interpreted):
     assert rel_err(g, want[name]) <= 2e-2, name
 
 
+@pytest.mark.parametrize("sq,skv,width", [(0, 70, 2), (70, 0, 2), (70, 70, 0)])
+def test_nothing_to_attend(sq, skv, width, interpreted):
+  """No query, no key or empty lists: out 0, lse -inf, gradients 0."""
+  del interpreted
+  q, k, v = (jnp.ones((1, s, heads, 64)) for s, heads in ((sq, 2), (skv, 1), (skv, 1)))
+  index = jnp.zeros((1, 2, -(-sq // 64), width), jnp.int32)
+  fn = functools.partial(cudnn_jax.bsa, block_size=64, return_lse=True,
+                         implementation="triton")
+  out, lse = fn(q, k, v, index)
+  assert np.all(out == 0) and np.all(lse == -np.inf)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a, index)[0]), argnums=(0, 1, 2))(q, k, v)
+  assert all(np.all(g == 0) for g in grads)
+
+
 def test_block_lists_match_numpy():
   """``schedule`` keeps, in the caller's order, exactly the listed kv blocks that can hold a
   kept key; ``by_kv_block`` lists, for each kv block, the query rows that keep it."""

@@ -130,7 +130,11 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
   clipped to the blocks) and results, differentiable in query, key and value (the lse
   too). ``interpret``: run the kernels in the Pallas interpreter (any backend). The sizes
   must pass ``supports``."""
-  sq, skv = query.shape[1], key.shape[1]
+  b, sq, n = query.shape[:3]
+  skv = key.shape[1]
+  if not (sq and skv and block_index.shape[3]):  # no kernel to run: no row keeps a key
+    return (jnp.zeros((b, sq, n, value.shape[3]), query.dtype),
+            jnp.full((b, n, sq), -jnp.inf, jnp.float32))
   bs = block_size
   nq, nkv = -(-sq // bs), -(-skv // bs)
   blocks, counts = schedule(block_index, block_counts, kv_block_sizes, causal=is_causal)
