@@ -50,7 +50,8 @@ LN2 = 0.6931471805599453
 
 def _params(bs, dtype):
   # One warp group per 64 query rows. Two stages overlap the next kv block's loads with the
-  # current block's products; float32 blocks take too much shared memory for that.
+  # current block's products; float32 tiles, twice as large, keep one so they fit in
+  # shared memory.
   stages = 1 if jnp.dtype(dtype) == jnp.float32 else 2
   return pl_triton.CompilerParams(num_warps=4 if bs == 64 else 8, num_stages=stages)
 
@@ -97,7 +98,9 @@ def _kept(t, c, size, *, bs, causal, sq):
   """``[bs, bs]`` bool: which (query row, key) pairs of kv block c count; t ``[bs, 1]`` the
   rows' positions, size the block's valid tokens."""
   j = jax.lax.broadcasted_iota(jnp.int32, (1, bs), 1)
-  keep = (j < size) & (t < sq)
+  keep = j < size
+  if sq % bs:  # the padding rows of the last query block
+    keep &= t < sq
   if causal:
     keep &= c * bs + j <= t
   return keep
