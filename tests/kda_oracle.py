@@ -73,7 +73,9 @@ def oracle(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
     spans = [(i, 0, t) for i in range(b)]
   else:
     cu = np.asarray(cu_seqlens).astype(np.int64)
-    spans = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    # SPEC section 8: a sequence out of order or out of the rows is empty.
+    served = lambda i: 0 <= cu[i] <= cu[i + 1] <= t and cu[i] >= max(cu[:i], default=0)
+    spans = [(0, cu[i], cu[i + 1]) if served(i) else (0, 0, 0) for i in range(len(cu) - 1)]
   n = len(spans)
   S0 = (np.zeros((n, hv, kdim, v.shape[3])) if initial_state is None
         else _f64(initial_state))

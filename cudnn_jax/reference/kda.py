@@ -29,7 +29,8 @@ sub-block through the token before it pairs all of its tokens instead
 The custom VJP keeps the inputs and the chunk-entry states; the backward pass recomputes
 the intra-chunk quantities, runs the state gradient backwards through the chunks, and
 then forms every input gradient in parallel over chunks. Matmuls parallel over chunks take
-bf16 operands for bf16 inputs; every product accumulates in float32.
+bf16 operands for bf16 inputs, except the backward's intra stage (float32: it carries the
+gates' gradient); every product accumulates in float32.
 
 Packed sequences (``cu_seqlens``) are laid out so each sequence starts on a chunk
 boundary (zero padding: g = 0, beta = 0, k = 0 leave the state unchanged); the scan resets
@@ -494,11 +495,19 @@ def _chunked_bwd(dt, res, cts):
   return by_span(functools.partial(_backward, dt, res, cts), res[3])
 
 
+# The intra stage's gradient of the gates is a difference of near-equal products (for a
+# pair sum, ``x dx - y dy``) that d(a_log) and d(dt_bias) then sum over every token: with
+# bfloat16 operands its rounding errors add up to percents (tens of them for a head). The
+# backward pass recomputes that stage, and differentiates it, with float32 operands.
+INTRA_GRAD_DTYPE = jnp.float32
+
+
 def _backward(dt, res, cts, by_sub_blocks):
   q, k, v, G, beta, init, seg, S = res
   do, dfinal = cts
   do = to_chunk_layout(do, q.shape[-2]).astype(jnp.float32)
-  it, intra_vjp = jax.vjp(lambda *a: intra(*a, dt, by_sub_blocks), q, k, v, G, beta)
+  it, intra_vjp = jax.vjp(lambda *a: intra(*a, INTRA_GRAD_DTYPE, by_sub_blocks),
+                          q, k, v, G, beta)
   dS, dinit = state_scan_bwd(it, do, dfinal, init, seg, dt)
   d = output_grads(it, S, do, dS, dt)
   with jax.named_scope("kda_intra_bwd"):

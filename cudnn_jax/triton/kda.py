@@ -114,10 +114,11 @@ def _backward(dt, interpret, res, cts, by_sub_blocks):
   q, k, v, G, beta, init, seg, S = res
   do, dfinal = cts
   do = ref.to_chunk_layout(do, q.shape[-2]).astype(jnp.float32)
+  # The intra stage recomputed with float32 operands, as in the reference (see there).
   if by_sub_blocks:
-    stage = lambda *a: ref.intra(*a, dt, by_sub_blocks=True)
+    stage = lambda *a: ref.intra(*a, ref.INTRA_GRAD_DTYPE, by_sub_blocks=True)
   else:
-    stage = lambda *a: _intra_by_hierarchy(*a, dt, interpret)
+    stage = lambda *a: _intra_by_hierarchy(*a, ref.INTRA_GRAD_DTYPE, interpret)
   it, intra_vjp = jax.vjp(stage, q, k, v, G, beta)
   if seg is None:
     with jax.named_scope("kda_state_scan_bwd"):
