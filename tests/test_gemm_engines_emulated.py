@@ -66,6 +66,25 @@ def test_grouped_gemm_engine_matches_xla(emulated, engine, glu, activation):
 
 
 @pytest.mark.parametrize("engine", ["cute", "cudnn"])
+def test_negative_and_overlong_group_sizes_agree_on_every_engine(emulated, engine):
+  """A negative size counts as 0 and groups past M are cut there (SPEC section 8), on the
+  GPU engines as on the xla engine, both equal to the float64 math of the served sizes."""
+  rng = np.random.default_rng(2)
+  lhs = jnp.asarray(rng.standard_normal((12, 16)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((3, 16, 8)) / 4, jnp.bfloat16)
+  cases = {(5, -3, 4): (5, 0, 4), (5, 3, 9): (5, 3, 4), (-7, 20, 1): (0, 12, 0)}
+  run = lambda: {given: jax.jit(lambda *a: gemm_module.grouped_gemm(*a))(  # a new trace
+      lhs, rhs, jnp.asarray(given, jnp.int32)) for given in cases}
+  xla = run()
+  emulated("grouped_gemm", engine)
+  got = run()
+  for given, served in cases.items():
+    want = oracle.grouped_gemm(lhs, rhs, np.asarray(served))
+    assert _rel(xla[given], want) < 1e-2 and _rel(got[given], want) < 1e-2, given
+    np.testing.assert_array_equal(np.asarray(got[given], np.float32)[sum(served):], 0.0)
+
+
+@pytest.mark.parametrize("engine", ["cute", "cudnn"])
 def test_moe_mlp_engine_matches_xla(emulated, engine):
   rng = np.random.default_rng(1)
   t, d, f, e, k = 50, 16, 8, 4, 2

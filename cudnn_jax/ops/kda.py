@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, _metadata, engines
+from cudnn_jax.ops import kda_sequence_parallel
 from cudnn_jax.primitives import core
 
 CHUNK_SIZES = {"kda": (32, 64), "gdn": (16, 32, 64)}  # gdn's 16 as FLA's chunk_gated_delta_rule
@@ -93,10 +94,14 @@ def _prepare(q, k, v, g, beta, *, op, scale=None, initial_state=None,
              output_final_state=False, use_qk_l2norm_in_kernel=False,
              use_gate_in_kernel=False, a_log=None, dt_bias=None, lower_bound=None,
              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, cu_seqlens=None,
-             chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
+             chunk_size=64, sequence_parallel_axis=None, implementation=None,
+             A_log=None):  # pylint: disable=invalid-name
   """Validates the user's arguments into ``(KdaCall, operands)``: the arrays present, in
   the order of ``_rule``, as JAX arrays, ``dt_bias`` as ``[HV,K]`` (kda) or ``[HV]`` (gdn)."""
   del implementation
+  if sequence_parallel_axis is not None and not isinstance(sequence_parallel_axis, str):
+    raise TypeError("sequence_parallel_axis: expected a mesh axis name (str) or None, got "
+                    f"{sequence_parallel_axis!r}")
   a_log = _a_log(a_log, A_log)
   scalar_gate = op == "gdn"
   _checks.shape_of("q", q, 4)
@@ -183,7 +188,7 @@ def _dt_bias(dt_bias, hv, kg):
   _checks.shape_of("dt_bias", dt_bias)
   _checks.float_dtype("dt_bias", dt_bias, (jnp.float32,))
   if tuple(dt_bias.shape) not in ((hv * kg,), (hv, kg)):
-    forms = f"({hv},)" + ("" if kg == 1 else f" ([HV*K]) or ({hv}, {kg}) ([HV,K])")
+    forms = f"({hv * kg},)" + ("" if kg == 1 else f" ([HV*K]) or ({hv}, {kg}) ([HV,K])")
     raise ValueError(f"dt_bias: expected shape {forms}, got {tuple(dt_bias.shape)}")
 
 
@@ -229,15 +234,38 @@ def _apply(op, q, k, v, g, beta, kwargs):
   call, operands = _prepare(q, k, v, g, beta, op=op, **kwargs)
   if call.varlen:  # under checkify only
     _metadata.check_cu_seqlens("cu_seqlens", kwargs["cu_seqlens"], call.t)
+  if kwargs["sequence_parallel_axis"] is not None:
+    return _sequence_parallel(op, call, operands, kwargs)
   engine = engines.choose(op, call, kwargs.get("implementation"))
   o, final_state = _per_shard((engine.name, call), *operands)
+  return o, (final_state if call.output_final_state else None)
+
+
+def _sequence_parallel(op, call, operands, kwargs):
+  """``_apply`` over the token shards along ``sequence_parallel_axis``
+  (kda_sequence_parallel.py): each device calls the op on its span."""
+  x = _inputs(call, operands)
+  g = x.g[..., 0] if op == "gdn" else x.g
+  implementation = kwargs["implementation"]
+  options = (("scale", call.scale), ("use_qk_l2norm_in_kernel", call.qk_l2norm),
+             ("use_gate_in_kernel", call.gate_in_kernel), ("lower_bound", call.lower_bound),
+             ("use_beta_sigmoid_in_kernel", call.beta_sigmoid),
+             ("allow_neg_eigval", call.allow_neg_eigval), ("chunk_size", call.chunk_size),
+             ("implementation", implementation if implementation is None
+              or isinstance(implementation, str) else tuple(implementation)))
+  dt_bias = x.dt_bias if x.dt_bias is None or op == "kda" else x.dt_bias[:, 0]
+  o, final_state = kda_sequence_parallel.sequence_parallel(
+      {"kda": kda, "gdn": gdn}[op], x.q, x.k, x.v, g, x.beta,
+      axis=kwargs["sequence_parallel_axis"], initial_state=x.initial_state, a_log=x.a_log,
+      dt_bias=dt_bias, cu_seqlens=x.cu_seqlens, options=options)
   return o, (final_state if call.output_final_state else None)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
         lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-        cu_seqlens=None, chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
+        cu_seqlens=None, chunk_size=64, sequence_parallel_axis=None, implementation=None,
+        A_log=None):  # pylint: disable=invalid-name
   """Kimi Delta Attention (chunked; argument names as in FLA's ``chunk_kda``).
 
   ``q, k [B,T,H,K]``, ``v [B,T,HV,V]`` with ``HV % H == 0`` (value head h reads q/k head
@@ -272,6 +300,15 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   on the same mesh axes, where H divides), with no communication; the outputs keep that
   sharding. Other dimensions are made whole on each device.
 
+  ``sequence_parallel_axis``: the name of a mesh axis (of ``jax.set_mesh``'s mesh, or the
+  one the inputs are explicitly sharded on) along which the tokens (T) are sharded; T must
+  divide into its devices. Each device runs the op over its span from a zero state, which
+  also gives its span's state map ``S_out = M S_in + B``; the maps are combined in device
+  order and each device runs its span again from the state entering it. Values, final
+  states and gradients equal the unsharded call's, with ``initial_state`` and with
+  ``cu_seqlens`` (sequences may cross span boundaries); o is sharded along T on that axis.
+  It costs two passes over each device's tokens (cudnn_jax/ops/kda_sequence_parallel.py).
+
   Returns ``(o [B,T,HV,V]`` in q's dtype, ``final_state [N,HV,K,V]`` float32 or None unless
   ``output_final_state``). Differentiable in q, k, v, g, beta, initial_state, a_log,
   dt_bias. ``implementation``: None, "triton" (Pallas kernels through Triton; NVIDIA GPUs),
@@ -284,7 +321,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 def gdn(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, a_log=None, dt_bias=None,
         lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-        cu_seqlens=None, chunk_size=64, implementation=None, A_log=None):  # pylint: disable=invalid-name
+        cu_seqlens=None, chunk_size=64, sequence_parallel_axis=None, implementation=None,
+        A_log=None):  # pylint: disable=invalid-name
   """Gated DeltaNet: ``cudnn_jax.kda`` with a scalar gate per head.
 
   ``g [B,T,HV]`` (``diag(exp(g_t))`` becomes ``exp(g_t) I``), ``dt_bias [HV]`` (or
