@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 from cudnn_jax.engines import UnsupportedError
 
 
-def _mesh_with(axis, query):
-  """The mesh that ``axis`` names: the one query is sharded on (explicitly, or as a
-  concrete array), else ``jax.set_mesh``'s."""
+def _mesh_with(axis, query, argument="context_parallel_axis"):
+  """The mesh that ``axis`` (the value of ``argument``) names: the one query is sharded on
+  (explicitly, or as a concrete array), else ``jax.set_mesh``'s."""
   candidates = [jax.typeof(query).sharding.mesh, jax.sharding.get_abstract_mesh()]
   sharding = getattr(query, "sharding", None)  # a concrete array: its devices
   if not isinstance(query, jax.core.Tracer) and isinstance(sharding, jax.sharding.NamedSharding):
@@ -31,7 +31,7 @@ def _mesh_with(axis, query):
   for mesh in candidates:
     if not mesh.empty and axis in mesh.axis_names:
       return mesh
-  raise ValueError(f"context_parallel_axis: {axis!r} is not an axis of the current mesh "
+  raise ValueError(f"{argument}: {axis!r} is not an axis of the current mesh "
                    "(set one with jax.set_mesh, or shard the inputs explicitly)")
 
 
