@@ -209,15 +209,7 @@ def _paged_masked(table, lengths=(6, 8)):
   """Expected: keys of valid page ids only (positions of ids outside [0, P) masked)."""
   def expect(out):
     q, kc, vc, _, _ = _paged_case()
-    table_ = np.asarray(table)
-    pages = kc.shape[0]
-    ids = np.clip(table_, 0, pages - 1)
-    keys = kc[ids].reshape(2, -1, 1, 8)
-    values = vc[ids].reshape(2, -1, 1, 8)
-    valid = np.repeat((table_ >= 0) & (table_ < pages), _PAGE, axis=1)
-    valid &= np.arange(valid.shape[1])[None] < np.minimum(lengths, valid.shape[1])[:, None]
-    want, _ = sdpa_oracle.oracle(q, keys, values, mask=valid[:, None, None, :], is_causal=True,
-                                 causal_alignment="bottom_right")
+    want, _ = sdpa_oracle.paged_oracle(q, kc, vc, table, lengths)
     _close(out, want)
   return expect
 

@@ -88,7 +88,8 @@ def _attend(xp, q, k, v, bias, sinks, keep, q_valid, scale, softcap, stop):
   if softcap is not None:
     logits = softcap * xp.tanh(logits / softcap)
   logits = xp.where(keep, logits, 0.0)
-  row_max = xp.max(xp.where(keep, logits, -np.inf), axis=-1, keepdims=True)
+  row_max = xp.max(xp.where(keep, logits, -np.inf), axis=-1, keepdims=True,
+                   initial=-np.inf)  # S = 0: no keys
   if sinks is not None:
     sink = sinks[None, :, None, None]
     row_max = xp.maximum(row_max, sink)
@@ -466,6 +467,24 @@ def paged_case(rng, kv_lens, *, t=1, n=4, k=2, h=16, hv=8, page=4, spare_pages=3
       value_cache[phys, : rows.stop - rows.start] = values[i, rows]
   query = _f32_normal(rng, b, t, n, h)
   return (query, key_cache, value_cache, table, np.asarray(kv_lens, np.int32), keys, values)
+
+
+def paged_oracle(query, key_cache, value_cache, page_table, kv_lens, *, is_causal=True,
+                 **kwargs):
+  """``sdpa_paged``'s float64 math, metadata read as SPEC section 8 says: lengths clamped
+  to ``[0, max_pages * page]``, positions of page ids outside ``[0, P)`` masked."""
+  pages, page = key_cache.shape[:2]
+  table = np.asarray(page_table).astype(np.int64)
+  b, max_pages = table.shape
+  ids = np.clip(table, 0, pages - 1)  # read, then masked where invalid
+  keys = _f64(key_cache)[ids].reshape(b, max_pages * page, *key_cache.shape[2:])
+  values = _f64(value_cache)[ids].reshape(b, max_pages * page, *value_cache.shape[2:])
+  lens = np.clip(np.asarray(kv_lens).astype(np.int64), 0, max_pages * page)
+  keep = np.repeat((table >= 0) & (table < pages), page, axis=1)
+  keep &= np.arange(max_pages * page)[None, :] < lens[:, None]
+  keys, values = (np.where(keep[:, :, None, None], x, 0.0) for x in (keys, values))
+  return oracle(query, keys, values, mask=keep[:, None, None, :], is_causal=is_causal,
+                causal_alignment="bottom_right", key_value_seq_lengths=lens, **kwargs)
 
 
 def rel_err_finite(actual, expected):
