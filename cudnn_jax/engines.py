@@ -116,8 +116,9 @@ def dispatch(op: str, implementation, call, *arrays):
   return choose(op, call, implementation).run(call, *arrays)
 
 
-def _prepare_abstract(prepare, args, kwargs):
-  """``prepare(*args, **kwargs)`` traced on shapes only, so nothing runs on a device."""
+def prepare_abstract(prepare, *args, **kwargs):
+  """``prepare(*args, **kwargs)``'s call description, traced on shapes only (arrays may be
+  ``jax.ShapeDtypeStruct``s), so nothing runs on a device."""
   leaves, tree = jax.tree.flatten((args, kwargs))
   where = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
   calls = []
@@ -144,7 +145,7 @@ def explain(fn_name: str, *args, **kwargs) -> str:
     raise ValueError(f"fn_name: unknown op {fn_name!r}; known: {sorted(_OPS)}")
   op = _OPS[fn_name]
   implementation = kwargs.get("implementation")
-  how, call = op.explained(_prepare_abstract(op.prepare, args, kwargs))
+  how, call = op.explained(prepare_abstract(op.prepare, *args, **kwargs))
   verdicts = reasons(fn_name, call, explicit=implementation is not None)
   which = "this call" if how is None else "each device's call"
   try:

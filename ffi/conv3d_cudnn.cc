@@ -263,16 +263,10 @@ std::string filter_shape(const char* name, const ffi::AnyBuffer& w, Conv3dConfig
   return expect(name, w, c->dtype, {c->k, c->kt, c->kh, c->kw, c->c});
 }
 
-// Device, handle and plan for one handler call.
-ffi::Error prepare(const Conv3dConfig& c, cudaStream_t stream, std::shared_ptr<CachedPlan>* plan,
-                   DeviceHandle** handle) {
-  std::string err;
-  int device = stream_device(stream, &err);
-  if (device < 0) return internal_error(stage_message(op_name(c), "device", err));
-  *plan = plan_for(c, device, handle, &err);
-  // An unsupported configuration is the caller's error: the engine asks conv3d_check first.
-  if (!*plan) return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
-  return ffi::Error::Success();
+PlanLookup lookup_of(const Conv3dConfig& c) {
+  return [c](int device, DeviceHandle** handle, std::string* error) {
+    return plan_for(c, device, handle, error);
+  };
 }
 
 ffi::Error run(const Conv3dConfig& c, cudaStream_t stream, ffi::AnyBuffer& workspace,
@@ -280,7 +274,10 @@ ffi::Error run(const Conv3dConfig& c, cudaStream_t stream, ffi::AnyBuffer& works
                std::initializer_list<ffi::AnyBuffer*> outputs) {
   std::shared_ptr<CachedPlan> plan;
   DeviceHandle* handle = nullptr;
-  if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
+  if (ffi::Error e = plan_on_stream(op_name(c), stream, lookup_of(c), &plan, &handle);
+      e.failure()) {
+    return e;
+  }
   if (ffi::Error e = prefill(stream, op_name(c), false, outputs); e.failure()) return e;
   return run_plan(*plan, *handle, stream, workspace_of(workspace), tensors, op_name(c));
 }
@@ -384,31 +381,14 @@ ffi::Error conv3d_wgrad(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
   });
 }
 
-// The cached plan of `config` on the current device (built on a miss), or null with
-// *error saying why cuDNN cannot serve it.
-std::shared_ptr<CachedPlan> checked_plan(const Conv3dConfig& config, std::string* error) {
-  int device = current_device(error);
-  if (device < 0) {
-    *error = stage_message(op_name(config), "device", *error);
-    return nullptr;
-  }
-  try {
-    DeviceHandle* handle = nullptr;
-    return plan_for(config, device, &handle, error);
-  } catch (const std::exception& e) {
-    *error = stage_message(op_name(config), "exception", e.what());
-    return nullptr;
-  }
-}
-
 }  // namespace
 
 std::string conv3d_check(const Conv3dConfig& config) {
-  return plan_check([&](std::string* e) { return checked_plan(config, e); });
+  return plan_check(op_name(config), lookup_of(config));
 }
 
 int64_t conv3d_workspace(const Conv3dConfig& config, std::string* error) {
-  return plan_workspace_bytes([&](std::string* e) { return checked_plan(config, e); }, error);
+  return plan_workspace_bytes(op_name(config), lookup_of(config), error);
 }
 
 }  // namespace cudnn_jax

@@ -77,10 +77,11 @@ std::shared_ptr<CachedPlan> build_plan(const GroupedMatmulConfig& c, int device,
   return plan;
 }
 
-std::shared_ptr<CachedPlan> plan_for(const GroupedMatmulConfig& c, int device,
-                                     DeviceHandle** handle, std::string* error) {
-  return find_plan(kOp, cache_key(c, device), device, handle,
-                   [&](DeviceHandle& h) { return build_plan(c, device, h); }, error);
+PlanLookup lookup_of(const GroupedMatmulConfig& c) {
+  return [c](int device, DeviceHandle** handle, std::string* error) {
+    return find_plan(kOp, cache_key(c, device), device, handle,
+                     [&](DeviceHandle& h) { return build_plan(c, device, h); }, error);
+  };
 }
 
 ffi::Error grouped_matmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
@@ -99,11 +100,11 @@ ffi::Error grouped_matmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffe
     if (err.empty()) err = expect("out", *out, c.dtype, {c.m, c.n});
     if (!err.empty()) return invalid_argument(stage_message(kOp, "arguments", err));
 
-    int device = stream_device(stream, &err);
-    if (device < 0) return internal_error(stage_message(kOp, "device", err));
+    std::shared_ptr<CachedPlan> plan;
     DeviceHandle* handle = nullptr;
-    auto plan = plan_for(c, device, &handle, &err);
-    if (!plan) return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
+    if (ffi::Error e = plan_on_stream(kOp, stream, lookup_of(c), &plan, &handle); e.failure()) {
+      return e;
+    }
     if (ffi::Error e = prefill(stream, kOp, false, {&*out}); e.failure()) return e;
     std::unordered_map<int64_t, void*> tensors = {
         {kLhs, lhs.untyped_data()},
@@ -117,27 +118,12 @@ ffi::Error grouped_matmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffe
 
 }  // namespace
 
-namespace {
-
-// The cached plan of `config` on the current device, or null with *error set.
-std::shared_ptr<CachedPlan> checked_plan(const GroupedMatmulConfig& config, std::string* error) {
-  int device = current_device(error);
-  if (device < 0) {
-    *error = stage_message(kOp, "device", *error);
-    return nullptr;
-  }
-  DeviceHandle* handle = nullptr;
-  return plan_for(config, device, &handle, error);
-}
-
-}  // namespace
-
 std::string grouped_matmul_check(const GroupedMatmulConfig& config) {
-  return plan_check([&](std::string* e) { return checked_plan(config, e); });
+  return plan_check(kOp, lookup_of(config));
 }
 
 int64_t grouped_matmul_workspace(const GroupedMatmulConfig& config, std::string* error) {
-  return plan_workspace_bytes([&](std::string* e) { return checked_plan(config, e); }, error);
+  return plan_workspace_bytes(kOp, lookup_of(config), error);
 }
 
 }  // namespace cudnn_jax

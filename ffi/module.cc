@@ -217,6 +217,8 @@ cudnn_jax::SdpaConfig parse_sdpa_config(const nb::dict& d) {
   c.hv = as_int(d, "hv");
   c.bias_b = c.has_bias ? as_int(d, "bias_b") : 0;
   c.bias_n = c.has_bias ? as_int(d, "bias_n") : 0;
+  c.pages = c.paged ? as_int(d, "pages") : 0;
+  c.page = c.paged ? as_int(d, "page") : 0;
   return c;
 }
 

@@ -33,6 +33,7 @@ using Tensor = std::shared_ptr<TensorAttrs>;
 // Tensor uids: fixed per role, so one variant-pack layout serves every plan.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kBias, kSeqLenQ, kSeqLenKv, kDO, kDQ, kDK, kDV, kDBias,
+  kQOffsets, kKOffsets, kVOffsets, kOOffsets, kPageTableK, kPageTableV, kSinks,
 };
 
 const char* op_name(const SdpaConfig& c) { return c.backward ? "sdpa_bwd" : "sdpa_fwd"; }
@@ -49,7 +50,7 @@ std::string key_text(int32_t x) { return std::to_string(x); }
 std::string cache_key(const SdpaConfig& c, int device) {
   std::string key = std::string(op_name(c)) + "|dev" + std::to_string(device) + "|" +
                     dtype_name(c.dtype);
-  for (int64_t d : {c.b, c.t, c.s, c.n, c.k, c.h, c.hv, c.bias_b, c.bias_n}) {
+  for (int64_t d : {c.b, c.t, c.s, c.n, c.k, c.h, c.hv, c.bias_b, c.bias_n, c.pages, c.page}) {
     key += "|" + std::to_string(d);
   }
   visit_sdpa_attributes(c, [&](const char*, const auto& value) { key += "|" + key_text(value); });
@@ -77,6 +78,20 @@ std::string config_error(const SdpaConfig& c) {
   if (c.softcap > 0.f && c.has_padding) {
     return "logits_soft_cap: not supported together with sequence lengths by the cuDNN SDPA "
            "graph";
+  }
+  if ((c.packed_max_q > 0) != (c.packed_max_kv > 0)) {
+    return "packed rows: query and key/value rows are packed together";
+  }
+  if ((c.packed() || c.paged) && !c.has_padding) {
+    return "packed rows and paged caches need the sequence lengths";
+  }
+  if (c.packed() && c.paged) return "packed rows and paged caches: not together";
+  if (c.paged && (c.pages <= 0 || c.page <= 0 || c.s % c.page != 0)) {
+    return "paged caches: the key length must be whole pages";
+  }
+  if (c.backward && (c.paged || c.has_sinks)) {
+    return "backward: paged caches and sinks are forward-only here (the gradient of the "
+           "sinks follows from lse)";
   }
   return "";
 }
@@ -146,17 +161,9 @@ SoftcapMods softcap_mods(const SdpaConfig& c) {
 template <typename Attrs>
 void set_masking(Attrs& attrs, const SdpaConfig& c, Graph& graph) {
   if (c.has_padding) {
-    auto seq_len = [&](const char* name, int64_t uid) {
-      return graph.tensor(TensorAttrs()
-                              .set_name(name)
-                              .set_uid(uid)
-                              .set_dim({c.b, 1, 1, 1})
-                              .set_stride({1, 1, 1, 1})
-                              .set_data_type(fe::DataType_t::INT32));
-    };
     attrs.set_padding_mask(true)
-        .set_seq_len_q(seq_len("seq_len_q", kSeqLenQ))
-        .set_seq_len_kv(seq_len("seq_len_kv", kSeqLenKv));
+        .set_seq_len_q(int32_tensor(graph, "seq_len_q", kSeqLenQ, c.b))
+        .set_seq_len_kv(int32_tensor(graph, "seq_len_kv", kSeqLenKv, c.b));
   }
   if (c.softcap > 0.f) {
     SoftcapMods mods = softcap_mods(c);
@@ -179,6 +186,53 @@ TensorAttrs bshd(const char* name, int64_t uid, int64_t b, int64_t heads, int64_
       .set_stride({seq * heads * dim, dim, heads * dim, 1});
 }
 
+// A [P, heads, page, dim] view of a row-major [P, page, heads, dim] paged cache.
+TensorAttrs cache_view(const char* name, int64_t uid, const SdpaConfig& c, int64_t dim) {
+  return TensorAttrs()
+      .set_name(name)
+      .set_uid(uid)
+      .set_dim({c.pages, c.k, c.page, dim})
+      .set_stride({c.page * c.k * dim, dim, c.k * dim, 1});
+}
+
+// The int32 per-sequence operands: lengths [B,1,1,1], row offsets [B+1,1,1,1], page
+// tables [B,1,max_pages,1].
+Tensor int32_tensor(Graph& graph, const char* name, int64_t uid, int64_t rows, int64_t cols = 1) {
+  return graph.tensor(TensorAttrs()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({rows, 1, cols, 1})
+                          .set_stride({cols, cols, 1, 1})
+                          .set_data_type(fe::DataType_t::INT32));
+}
+
+// The ragged offsets of packed rows (element offsets of each sequence's first row), one per
+// buffer layout; null for a dense layout.
+struct Offsets {
+  Tensor q, k, v, o;
+};
+
+Offsets packed_offsets(Graph& graph, const SdpaConfig& c) {
+  if (!c.packed()) return {};
+  return {int32_tensor(graph, "q_offsets", kQOffsets, c.b + 1),
+          int32_tensor(graph, "k_offsets", kKOffsets, c.b + 1),
+          int32_tensor(graph, "v_offsets", kVOffsets, c.b + 1),
+          int32_tensor(graph, "o_offsets", kOOffsets, c.b + 1)};
+}
+
+// `t` in the layout `view`, packed by `offsets` when given.
+Tensor rows(Tensor t, const TensorAttrs& view, const Tensor& offsets) {
+  t->set_dim(view.get_dim()).set_stride(view.get_stride());
+  if (offsets) t->set_ragged_offset(offsets);
+  return t;
+}
+
+Tensor input_rows(Graph& graph, TensorAttrs view, const Tensor& offsets) {
+  Tensor t = graph.tensor(view);
+  if (offsets) t->set_ragged_offset(offsets);
+  return t;
+}
+
 std::vector<int64_t> bias_dims(const SdpaConfig& c) { return {c.bias_b, c.bias_n, c.t, c.s}; }
 std::vector<int64_t> bias_strides(const SdpaConfig& c) {
   return {c.bias_n * c.t * c.s, c.t * c.s, c.s, 1};
@@ -191,21 +245,38 @@ Tensor add_bias(Graph& graph, const SdpaConfig& c) {
 }
 
 void add_forward(Graph& graph, const SdpaConfig& c, fe::AttentionImplementation_t impl) {
-  Tensor q = graph.tensor(bshd("q", kQ, c.b, c.n, c.t, c.h));
-  Tensor k = graph.tensor(bshd("k", kK, c.b, c.k, c.s, c.h));
-  Tensor v = graph.tensor(bshd("v", kV, c.b, c.k, c.s, c.hv));
-
+  Offsets offsets = packed_offsets(graph, c);
+  Tensor q = input_rows(graph, bshd("q", kQ, c.b, c.n, c.t, c.h), offsets.q);
+  Tensor k, v;
   fe::graph::SDPA_attributes attrs;
+  if (c.paged) {
+    k = graph.tensor(cache_view("k_cache", kK, c, c.h));
+    v = graph.tensor(cache_view("v_cache", kV, c, c.hv));
+    const int64_t max_pages = c.s / c.page;
+    attrs.set_paged_attention_k_table(int32_tensor(graph, "page_table_k", kPageTableK, c.b, max_pages))
+        .set_paged_attention_v_table(int32_tensor(graph, "page_table_v", kPageTableV, c.b, max_pages))
+        .set_paged_attention_max_seq_len_kv(static_cast<int>(c.s));
+  } else {
+    k = input_rows(graph, bshd("k", kK, c.b, c.k, c.s, c.h), offsets.k);
+    v = input_rows(graph, bshd("v", kV, c.b, c.k, c.s, c.hv), offsets.v);
+  }
   attrs.set_name("sdpa_fwd")
       .set_generate_stats(c.with_lse)
       .set_attn_scale(c.scale)
       .set_implementation(impl);
   if (c.has_bias) attrs.set_bias(add_bias(graph, c));
+  if (c.has_sinks) {
+    attrs.set_sink_token(graph.tensor(TensorAttrs()
+                                          .set_name("sinks")
+                                          .set_uid(kSinks)
+                                          .set_dim({1, c.n, 1, 1})
+                                          .set_stride({c.n, 1, 1, 1})
+                                          .set_data_type(fe::DataType_t::FLOAT)));
+  }
   set_masking(attrs, c, graph);
 
   auto [o, stats] = graph.sdpa(q, k, v, std::move(attrs));
-  o->set_output(true).set_uid(kO).set_dim({c.b, c.n, c.t, c.hv}).set_stride(
-      {c.t * c.n * c.hv, c.hv, c.n * c.hv, 1});
+  rows(o, bshd("o", kO, c.b, c.n, c.t, c.hv), offsets.o)->set_output(true).set_uid(kO);
   if (!c.with_lse) return;
   stats->set_output(true)
       .set_uid(kStats)
@@ -215,11 +286,12 @@ void add_forward(Graph& graph, const SdpaConfig& c, fe::AttentionImplementation_
 }
 
 void add_backward(Graph& graph, const SdpaConfig& c) {
-  Tensor q = graph.tensor(bshd("q", kQ, c.b, c.n, c.t, c.h));
-  Tensor k = graph.tensor(bshd("k", kK, c.b, c.k, c.s, c.h));
-  Tensor v = graph.tensor(bshd("v", kV, c.b, c.k, c.s, c.hv));
-  Tensor o = graph.tensor(bshd("o", kO, c.b, c.n, c.t, c.hv));
-  Tensor d_o = graph.tensor(bshd("do", kDO, c.b, c.n, c.t, c.hv));
+  Offsets offsets = packed_offsets(graph, c);
+  Tensor q = input_rows(graph, bshd("q", kQ, c.b, c.n, c.t, c.h), offsets.q);
+  Tensor k = input_rows(graph, bshd("k", kK, c.b, c.k, c.s, c.h), offsets.k);
+  Tensor v = input_rows(graph, bshd("v", kV, c.b, c.k, c.s, c.hv), offsets.v);
+  Tensor o = input_rows(graph, bshd("o", kO, c.b, c.n, c.t, c.hv), offsets.o);
+  Tensor d_o = input_rows(graph, bshd("do", kDO, c.b, c.n, c.t, c.hv), offsets.o);
   Tensor stats = graph.tensor(TensorAttrs()
                                   .set_name("stats")
                                   .set_uid(kStats)
@@ -242,12 +314,9 @@ void add_backward(Graph& graph, const SdpaConfig& c) {
   set_masking(attrs, c, graph);
 
   auto [dq, dk, dv] = graph.sdpa_backward(q, k, v, o, d_o, stats, std::move(attrs));
-  auto like = [](Tensor& t, int64_t uid, const TensorAttrs& view) {
-    t->set_output(true).set_uid(uid).set_dim(view.get_dim()).set_stride(view.get_stride());
-  };
-  like(dq, kDQ, bshd("dq", kDQ, c.b, c.n, c.t, c.h));
-  like(dk, kDK, bshd("dk", kDK, c.b, c.k, c.s, c.h));
-  like(dv, kDV, bshd("dv", kDV, c.b, c.k, c.s, c.hv));
+  rows(dq, bshd("dq", kDQ, c.b, c.n, c.t, c.h), offsets.q)->set_output(true).set_uid(kDQ);
+  rows(dk, bshd("dk", kDK, c.b, c.k, c.s, c.h), offsets.k)->set_output(true).set_uid(kDK);
+  rows(dv, bshd("dv", kDV, c.b, c.k, c.s, c.hv), offsets.v)->set_output(true).set_uid(kDV);
 }
 
 std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHandle& handle) {
@@ -311,57 +380,118 @@ std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& requested, int device,
 // ---- argument decoding -------------------------------------------------------------
 
 struct Optionals {
-  std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens;
+  std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens, page_table, sinks;
+  std::optional<ffi::AnyBuffer> offsets[4];  // packed rows: q, k, v, o
 };
 
-// Reads bias / q_lens / kv_lens from the trailing arguments, as the attributes announce.
-std::string decode_optionals(const ffi::RemainingArgs& rest, bool has_bias, bool has_padding,
+// Reads the trailing arguments the attributes announce, in order: bias; q_lens, kv_lens;
+// the four row offsets of packed rows; the page table; the sinks.
+std::string decode_optionals(const ffi::RemainingArgs& rest, const SdpaConfig& c,
                              Optionals* out) {
-  size_t want = (has_bias ? 1 : 0) + (has_padding ? 2 : 0);
-  if (rest.size() != want) {
-    return "expected " + std::to_string(want) + " trailing arguments (bias, lengths), got " +
+  std::vector<std::optional<ffi::AnyBuffer>*> slots;
+  if (c.has_bias) slots.push_back(&out->bias);
+  if (c.has_padding) slots.insert(slots.end(), {&out->q_lens, &out->kv_lens});
+  if (c.packed()) {
+    for (auto& offsets : out->offsets) slots.push_back(&offsets);
+  }
+  if (c.paged) slots.push_back(&out->page_table);
+  if (c.has_sinks) slots.push_back(&out->sinks);
+  if (rest.size() != slots.size()) {
+    return "expected " + std::to_string(slots.size()) +
+           " trailing arguments (bias, lengths, offsets, page table, sinks), got " +
            std::to_string(rest.size());
   }
-  size_t i = 0;
-  auto next = [&](std::optional<ffi::AnyBuffer>* slot) -> std::string {
-    auto buf = rest.get<ffi::AnyBuffer>(i++);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    auto buf = rest.get<ffi::AnyBuffer>(i);
     if (buf.has_error()) return buf.error().message();
-    *slot = *buf;
-    return "";
-  };
-  std::string err;
-  if (has_bias && (err = next(&out->bias)).empty() == false) return err;
-  if (has_padding && (err = next(&out->q_lens)).empty() == false) return err;
-  if (has_padding && (err = next(&out->kv_lens)).empty() == false) return err;
+    *slots[i] = *buf;
+  }
   return "";
 }
 
-// Fills the shape fields of `c` from q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] and the bias.
+// The extents of a buffer holding `seq` rows of `heads` x `dim` per batch: [B, seq, heads,
+// dim], or [rows, heads, dim] when packed.
+std::vector<int64_t> row_dims(bool packed, int64_t rows, int64_t b, int64_t seq, int64_t heads,
+                              int64_t dim) {
+  if (packed) return {rows, heads, dim};
+  return {b, seq, heads, dim};
+}
+
+std::string expect_dims(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                        const std::vector<int64_t>& dims) {
+  auto got = buf.dimensions();
+  if (buf.element_type() != dtype || std::vector<int64_t>(got.begin(), got.end()) != dims) {
+    std::string want;
+    for (int64_t d : dims) want += (want.empty() ? "" : ",") + std::to_string(d);
+    return std::string(name) + ": expected " + dtype_name(dtype) + " [" + want + "]";
+  }
+  return "";
+}
+
+std::vector<int64_t> q_like(const SdpaConfig& c, int64_t dim) {
+  return row_dims(c.packed(), c.rows_q, c.b, c.t, c.n, dim);
+}
+std::vector<int64_t> kv_like(const SdpaConfig& c, int64_t dim) {
+  return row_dims(c.packed(), c.rows_kv, c.b, c.s, c.k, dim);
+}
+
+// Fills the shape fields of `c` from q, k, v and the trailing arguments: q [B,T,N,H],
+// k [B,S,K,H], v [B,S,K,Hv]; packed: q [Tq,N,H], k [Tk,K,H], v [Tk,K,Hv] with B from the
+// lengths and T, S the packed maxima; paged: k [P,page,K,H], v [P,page,K,Hv] caches.
 std::string shapes_from(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                         const Optionals& opt, SdpaConfig* c) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return "q, k, v must be rank 4 (BTNH, BSKH, BSKH)";
+  const size_t rank = c->packed() ? 3 : 4;
+  if (qd.size() != rank || kd.size() != rank || vd.size() != rank) {
+    return c->packed() ? "q, k, v must be rank 3 (packed rows THD)"
+                       : "q, k, v must be rank 4 (BTNH, BSKH, BSKH, or paged caches)";
   }
   c->dtype = q.element_type();
-  c->b = qd[0], c->t = qd[1], c->n = qd[2], c->h = qd[3];
-  c->s = kd[1], c->k = kd[2], c->hv = vd[3];
+  c->n = qd[rank - 2], c->h = qd[rank - 1], c->k = kd[rank - 2], c->hv = vd[rank - 1];
+  if (c->packed()) {
+    if (!opt.q_lens) return "packed rows need the lengths";
+    c->b = opt.q_lens->dimensions()[0];
+    c->rows_q = qd[0], c->rows_kv = kd[0];
+    c->t = c->packed_max_q, c->s = c->packed_max_kv;
+  } else {
+    c->b = qd[0], c->t = qd[1];
+    c->s = kd[1];
+  }
+  if (c->paged) {
+    if (!opt.page_table || opt.page_table->dimensions().size() != 2) {
+      return "page_table must be rank 2 [B,max_pages]";
+    }
+    c->pages = kd[0], c->page = kd[1];
+    c->s = c->page * opt.page_table->dimensions()[1];
+  }
   std::string err;
-  if (!(err = expect("k", k, c->dtype, {c->b, c->s, c->k, c->h})).empty()) return err;
-  if (!(err = expect("v", v, c->dtype, {c->b, c->s, c->k, c->hv})).empty()) return err;
+  auto check = [&](const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                   const std::vector<int64_t>& dims) {
+    if (err.empty()) err = expect_dims(name, buf, dtype, dims);
+  };
+  if (c->paged) {
+    check("k", k, c->dtype, {c->pages, c->page, c->k, c->h});
+    check("v", v, c->dtype, {c->pages, c->page, c->k, c->hv});
+    check("page_table", *opt.page_table, ffi::DataType::S32, {c->b, c->s / c->page});
+  } else {
+    check("k", k, c->dtype, kv_like(*c, c->h));
+    check("v", v, c->dtype, kv_like(*c, c->hv));
+  }
   if (opt.bias) {
     auto bd = opt.bias->dimensions();
     if (bd.size() != 4) return "bias must be rank 4 [Bb,Nb,T,S]";
     c->bias_b = bd[0], c->bias_n = bd[1];
-    if (!(err = expect("bias", *opt.bias, c->dtype, {c->bias_b, c->bias_n, c->t, c->s})).empty()) {
-      return err;
-    }
+    check("bias", *opt.bias, c->dtype, {c->bias_b, c->bias_n, c->t, c->s});
   }
   if (opt.q_lens) {
-    if (!(err = expect("q_lens", *opt.q_lens, ffi::DataType::S32, {c->b})).empty()) return err;
-    if (!(err = expect("kv_lens", *opt.kv_lens, ffi::DataType::S32, {c->b})).empty()) return err;
+    check("q_lens", *opt.q_lens, ffi::DataType::S32, {c->b});
+    check("kv_lens", *opt.kv_lens, ffi::DataType::S32, {c->b});
   }
-  return "";
+  for (const auto& offsets : opt.offsets) {
+    if (offsets) check("offsets", *offsets, ffi::DataType::S32, {c->b + 1});
+  }
+  if (opt.sinks) check("sinks", *opt.sinks, ffi::DataType::F32, {c->n});
+  return err;
 }
 
 // The one optional result `name` after the fixed ones, present exactly when `wanted`.
@@ -384,22 +514,20 @@ void bind_optionals(const Optionals& opt, std::unordered_map<int64_t, void*>& te
     tensors[kSeqLenQ] = opt.q_lens->untyped_data();
     tensors[kSeqLenKv] = opt.kv_lens->untyped_data();
   }
+  const int64_t offset_uids[] = {kQOffsets, kKOffsets, kVOffsets, kOOffsets};
+  for (int i = 0; i < 4; ++i) {
+    if (opt.offsets[i]) tensors[offset_uids[i]] = opt.offsets[i]->untyped_data();
+  }
+  if (opt.page_table) {  // one table serves keys and values
+    tensors[kPageTableK] = tensors[kPageTableV] = opt.page_table->untyped_data();
+  }
+  if (opt.sinks) tensors[kSinks] = opt.sinks->untyped_data();
 }
 
-// Device, handle and plan for one handler call.
-ffi::Error prepare(const SdpaConfig& c, cudaStream_t stream, std::shared_ptr<CachedPlan>* plan,
-                   DeviceHandle** handle) {
-  const char* op = op_name(c);
-  std::string err;
-  int device = stream_device(stream, &err);
-  if (device < 0) return internal_error(stage_message(op, "device", err));
-  *plan = plan_for(c, device, handle, &err);
-  if (!*plan) {
-    // An unsupported configuration is the caller's error: engine selection should have
-    // asked sdpa_check first.
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
-  }
-  return ffi::Error::Success();
+PlanLookup lookup_of(const SdpaConfig& c) {
+  return [c](int device, DeviceHandle** handle, std::string* error) {
+    return plan_for(c, device, handle, error);
+  };
 }
 
 // ---- handlers ----------------------------------------------------------------------
@@ -427,16 +555,19 @@ ffi::Error sdpa_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
     Optionals opt;
     std::optional<ffi::AnyBuffer> lse;
-    std::string err = decode_optionals(rest, c.has_bias, c.has_padding, &opt);
+    std::string err = decode_optionals(rest, c, &opt);
     if (err.empty()) err = shapes_from(q, k, v, opt, &c);
-    if (err.empty()) err = expect("out", *out, c.dtype, {c.b, c.t, c.n, c.hv});
+    if (err.empty()) err = expect_dims("out", *out, c.dtype, q_like(c, c.hv));
     if (err.empty()) err = trailing_result(rest_rets, c.with_lse, "lse", &lse);
     if (err.empty() && lse) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
     if (!err.empty()) return invalid_argument(stage_message("sdpa_fwd", "arguments", err));
 
     std::shared_ptr<CachedPlan> plan;
     DeviceHandle* handle = nullptr;
-    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
+    if (ffi::Error e = plan_on_stream(op_name(c), stream, lookup_of(c), &plan, &handle);
+        e.failure()) {
+      return e;
+    }
 
     std::unordered_map<int64_t, void*> tensors = {
         {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
@@ -470,14 +601,14 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
     Optionals opt;
     std::optional<ffi::AnyBuffer> dbias;
-    std::string err = decode_optionals(rest, c.has_bias, c.has_padding, &opt);
+    std::string err = decode_optionals(rest, c, &opt);
     if (err.empty()) err = shapes_from(q, k, v, opt, &c);
-    if (err.empty()) err = expect("out", out, c.dtype, {c.b, c.t, c.n, c.hv});
-    if (err.empty()) err = expect("dout", dout, c.dtype, {c.b, c.t, c.n, c.hv});
+    if (err.empty()) err = expect_dims("out", out, c.dtype, q_like(c, c.hv));
+    if (err.empty()) err = expect_dims("dout", dout, c.dtype, q_like(c, c.hv));
     if (err.empty()) err = expect("lse", lse, ffi::DataType::F32, {c.b, c.n, c.t});
-    if (err.empty()) err = expect("dq", *dq, c.dtype, {c.b, c.t, c.n, c.h});
-    if (err.empty()) err = expect("dk", *dk, c.dtype, {c.b, c.s, c.k, c.h});
-    if (err.empty()) err = expect("dv", *dv, c.dtype, {c.b, c.s, c.k, c.hv});
+    if (err.empty()) err = expect_dims("dq", *dq, c.dtype, q_like(c, c.h));
+    if (err.empty()) err = expect_dims("dk", *dk, c.dtype, kv_like(c, c.h));
+    if (err.empty()) err = expect_dims("dv", *dv, c.dtype, kv_like(c, c.hv));
     if (err.empty()) err = trailing_result(rest_rets, c.has_dbias, "dbias", &dbias);
     if (err.empty() && dbias) {
       err = expect("dbias", *dbias, c.dtype, {c.bias_b, c.bias_n, c.t, c.s});
@@ -486,7 +617,10 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
     std::shared_ptr<CachedPlan> plan;
     DeviceHandle* handle = nullptr;
-    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
+    if (ffi::Error e = plan_on_stream(op_name(c), stream, lookup_of(c), &plan, &handle);
+        e.failure()) {
+      return e;
+    }
 
     std::unordered_map<int64_t, void*> tensors = {
         {kQ, q.untyped_data()},     {kK, k.untyped_data()},     {kV, v.untyped_data()},
@@ -504,33 +638,12 @@ ffi::Error sdpa_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 }  // namespace
 
-namespace {
-
-// The cached plan of `config` on the current device (built on a miss), or null with
-// *error saying why cuDNN cannot serve it.
-std::shared_ptr<CachedPlan> checked_plan(const SdpaConfig& config, std::string* error) {
-  int device = current_device(error);
-  if (device < 0) {
-    *error = stage_message(op_name(config), "device", *error);
-    return nullptr;
-  }
-  try {
-    DeviceHandle* handle = nullptr;
-    return plan_for(config, device, &handle, error);
-  } catch (const std::exception& e) {
-    *error = stage_message(op_name(config), "exception", e.what());
-    return nullptr;
-  }
-}
-
-}  // namespace
-
 std::string sdpa_check(const SdpaConfig& config) {
-  return plan_check([&](std::string* e) { return checked_plan(config, e); });
+  return plan_check(op_name(config), lookup_of(config));
 }
 
 int64_t sdpa_workspace(const SdpaConfig& config, std::string* error) {
-  return plan_workspace_bytes([&](std::string* e) { return checked_plan(config, e); }, error);
+  return plan_workspace_bytes(op_name(config), lookup_of(config), error);
 }
 
 }  // namespace cudnn_jax

@@ -21,7 +21,11 @@
   X(has_bias, bool, false)      /* a bias argument follows */                          \
   X(has_padding, bool, false)   /* q_lens, kv_lens arguments follow */                 \
   X(has_dbias, bool, false)     /* backward: a dbias result follows */                 \
-  X(with_lse, bool, true)       /* forward: an lse result follows (else no stats) */
+  X(with_lse, bool, true)       /* forward: an lse result follows (else no stats) */   \
+  X(packed_max_q, int32_t, 0)   /* > 0: q/out rows packed [Tq,N,H], offsets follow */  \
+  X(packed_max_kv, int32_t, 0)  /* > 0: k/v rows packed [Tk,K,H] */                    \
+  X(paged, bool, false)         /* forward: k/v caches [P,page,K,H], a page table */   \
+  X(has_sinks, bool, false)     /* forward: a sinks argument [N] float32 follows */
 
 namespace cudnn_jax {
 
@@ -34,6 +38,9 @@ struct SdpaConfig {
   xla::ffi::DataType dtype = xla::ffi::DataType::BF16;
   int64_t b = 0, t = 0, s = 0, n = 0, k = 0, h = 0, hv = 0;
   int64_t bias_b = 0, bias_n = 0;  // 0 when there is no bias
+  int64_t pages = 0, page = 0;      // paged: the caches' page count and page size
+  int64_t rows_q = 0, rows_kv = 0;  // packed: the buffers' rows (not part of a plan)
+  bool packed() const { return packed_max_q > 0; }
 };
 
 // The attribute names, in the list's order.

@@ -51,10 +51,8 @@ def test_sdpa_attributes_are_the_config_fields(target):
 
 
 def _sdpa_config(**changes):
-  config = dict(scale=1.0, causal=False, bottom_right=False, window_left=-1, window_right=-1,
-                softcap=0.0, has_bias=False, has_padding=False, has_dbias=False,
-                with_lse=True, backward=False, dtype="bfloat16", b=1, t=8, s=8, n=1, k=1,
-                h=64, hv=64, bias_b=0, bias_n=0)
+  config = dict(SdpaConfig(scale=1.0).attributes(), backward=False, dtype="bfloat16", b=1,
+                t=8, s=8, n=1, k=1, h=64, hv=64, bias_b=0, bias_n=0)
   config.update(changes)
   return {name: value for name, value in config.items() if value is not None}
 

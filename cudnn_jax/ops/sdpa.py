@@ -294,7 +294,8 @@ engines.register_engine("sdpa", "xla", supports=lambda call: None, run=_run_xla)
 # The cudnn engine.
 
 
-def _cudnn_config(call: SdpaCall, *, has_bias: bool):
+def cudnn_config(call: SdpaCall, *, has_bias: bool = False, **layout):
+  """The handlers' config of ``call``; ``layout``: packed_max_q/kv or paged."""
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
   left, right = call.window if call.window is not None else (None, None)
   return prim.SdpaConfig(
@@ -302,7 +303,20 @@ def _cudnn_config(call: SdpaCall, *, has_bias: bool):
       window_left=-1 if left is None else left, window_right=-1 if right is None else right,
       softcap=call.logits_soft_cap or 0.0, has_bias=has_bias,
       has_padding=call.has_q_lengths or call.has_kv_lengths,
-      has_dbias=call.bias_shape is not None, with_lse=call.return_lse)
+      has_dbias=call.bias_shape is not None, with_lse=call.return_lse,
+      has_sinks=call.has_sinks, **layout)
+
+
+def cudnn_check(call: SdpaCall, config, backward: bool, pages=0, page=0) -> str | None:
+  """None when cuDNN serves ``config`` (forward, or backward: the sinks' gradient needs no
+  cuDNN) at ``call``'s shapes, else why not."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
+  if backward:
+    config = dataclasses.replace(config, has_sinks=False, paged=False)
+  query = config.check_config(backward=backward, dtype=call.dtype, b=call.b, t=call.t,
+                              s=call.s, n=call.n, k=call.k, h=call.h, hv=call.hv,
+                              bias_shape=_cudnn_bias_shape(call), pages=pages, page=page)
+  return _extension.module().sdpa_check(query) or None
 
 
 def _cudnn_bias_shape(call: SdpaCall):
@@ -317,17 +331,12 @@ def _cudnn_bias_shape(call: SdpaCall):
 
 @functools.lru_cache(maxsize=1024)
 def _cudnn_check(call: SdpaCall, backward: bool) -> str | None:
-  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
-  bias_shape = _cudnn_bias_shape(call)
-  config = _cudnn_config(call, has_bias=bias_shape is not None)
-  query = config.check_config(backward=backward, dtype=call.dtype, b=call.b, t=call.t,
-                              s=call.s, n=call.n, k=call.k, h=call.h, hv=call.hv,
-                              bias_shape=bias_shape)
-  reason = _extension.module().sdpa_check(query)
-  return reason or None
+  config = cudnn_config(call, has_bias=_cudnn_bias_shape(call) is not None)
+  return cudnn_check(call, config, backward)
 
 
-def _supports_cudnn(call: SdpaCall) -> str | None:
+def cudnn_static_reason(call: SdpaCall) -> str | None:
+  """Why the cudnn engine cannot serve ``call`` whatever its layout, or None."""
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   why = _extension.unavailable_reason()
   if why:
@@ -336,11 +345,13 @@ def _supports_cudnn(call: SdpaCall) -> str | None:
     return f"dtype {call.dtype}: cuDNN SDPA runs bfloat16 and float16 only"
   if call.has_segments:
     return "q_segment_ids/kv_segment_ids: not served by the cudnn engine yet"
-  if call.has_sinks:
-    return "sinks: not served by the cudnn engine yet"
   if call.dropout_rate > 0:
     return "dropout_rate > 0: not served by the cudnn engine yet"
-  return _cudnn_check(_cudnn_view(call)[0], backward=False)
+  return None
+
+
+def _supports_cudnn(call: SdpaCall) -> str | None:
+  return cudnn_static_reason(call) or _cudnn_check(_cudnn_view(call)[0], backward=False)
 
 
 def _cudnn_view(call: SdpaCall):
@@ -364,7 +375,7 @@ def _cudnn_view(call: SdpaCall):
   return call, skip
 
 
-def _row_valid(call: SdpaCall, x: SdpaInputs, keep_any=None):
+def _row_valid(call: SdpaCall, x: SdpaInputs):
   """[B,1,T] or [B,N,T] bool: rows that keep at least one key (None when all do).
 
   cuDNN leaves rows with no kept key ill-defined (a uniform softmax over masked logits);
@@ -430,15 +441,26 @@ def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):
               else jnp.full((call.b,), call.t, jnp.int32))
     k_lens = (x.key_value_seq_lengths if x.key_value_seq_lengths is not None
               else jnp.full((call.b,), call.s, jnp.int32))
-  config = _cudnn_config(call, has_bias=bias is not None)
+  config = cudnn_config(call, has_bias=bias is not None)
   out, *lse = prim.attention(config, functools.partial(_cudnn_check, call, True),
-                             x.query, x.key, x.value, bias, q_lens, k_lens)
-  lse = lse[0] if lse else None
-  valid = _row_valid(call, x)
-  if valid is not None:
-    out = jnp.where(jnp.swapaxes(valid, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
-    if lse is not None:
-      lse = jnp.where(valid, lse, -jnp.inf)
+                             x.query, x.key, x.value, bias, q_lens, k_lens, sinks=x.sinks)
+  return select_rows(_row_valid(call, x), out, lse[0] if lse else None, x.sinks, q_lens)
+
+
+def select_rows(valid, out, lse, sinks=None, q_lens=None):
+  """``out [B,T,N,Hv]`` and ``lse [B,N,T]`` where ``valid [B,1|N,T]`` (None: all rows),
+  else 0 and lse -inf, or the sink logit in a row within ``q_lens`` (cuDNN leaves a row
+  with no kept key ill-defined)."""
+  if valid is None:
+    return out, lse
+  out = jnp.where(jnp.swapaxes(valid, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
+  if lse is not None:
+    empty = jnp.full((), -jnp.inf)
+    if sinks is not None:
+      t = jnp.arange(lse.shape[-1])[None, None, :]
+      within = True if q_lens is None else t < q_lens[:, None, None]
+      empty = jnp.where(within, sinks[None, :, None], empty)
+    lse = jnp.where(valid, lse, empty)
   return out, lse
 
 

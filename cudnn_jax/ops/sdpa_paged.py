@@ -1,12 +1,20 @@
 """Attention over a paged KV cache: ``cudnn_jax.sdpa_paged``.
 
-Each sequence's pages are gathered into contiguous keys and values and the call runs as
-one ``sdpa`` call with the sequences' lengths and bottom-right causal alignment, so every
-engine of ``sdpa`` serves ``sdpa_paged`` where it serves that call. The gather reads every
-page of the table once more than a kernel reading pages in place would.
+Engines:
+- "cudnn": cuDNN's attention reading the pages in place through the page table. Page ids
+  are not trusted: a call whose used pages include an id outside ``[0, P)`` runs the
+  gathered call below instead (a branch on the device), which masks them.
+- "xla": each sequence's pages gathered into contiguous keys and values (positions of
+  invalid ids masked), run as one ``sdpa`` call with the sequences' lengths and
+  bottom-right causal alignment. The gather reads every page once more than a kernel
+  reading pages in place would.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +22,26 @@ from jax.sharding import PartitionSpec as P
 
 from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.primitives import core
-from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
+from cudnn_jax.ops import sdpa as sdpa_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+  """A paged call: the ``sdpa`` call on the gathered cache it equals, and the caches'
+  page count and page size."""
+  gathered: sdpa_ops.SdpaCall
+  pages: int
+  page: int
+
+
+class PagedInputs(NamedTuple):
+  query: jax.Array  # [B, T, N, H]
+  key_cache: jax.Array  # [P, page, K, H]
+  value_cache: jax.Array  # [P, page, K, Hv]
+  page_table: jax.Array  # [B, max_pages] int32
+  kv_lengths: jax.Array  # [B] int32, clamped to the capacity
+  q_lengths: jax.Array | None = None
+  sinks: jax.Array | None = None
 
 
 def gather_pages(cache, page_table, lengths):
@@ -67,7 +94,7 @@ def _check_caches(query, key_cache, value_cache):
 def _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
              query_seq_lengths=None, scale=None, is_causal=True, local_window_size=None,
              logits_soft_cap=None, sinks=None, return_lse=False, implementation=None):
-  """Validates the user's arguments into the gathered call: (SdpaCall, SdpaInputs)."""
+  """Validates the user's arguments into (PagedCall, PagedInputs)."""
   del implementation
   _check_caches(query, key_cache, value_cache)
   _checks.shape_of("page_table", page_table, 2)
@@ -81,16 +108,24 @@ def _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths, *
   _checks.expect_shape("key_value_seq_lengths", key_value_seq_lengths, (b,))
 
   pages, page = key_cache.shape[:2]
-  kv_lengths = _metadata.clamp_lengths(key_value_seq_lengths, _capacity(page_table, page))
-  table = jnp.asarray(page_table).astype(jnp.int32)
-  keep = key_positions(table, kv_lengths, pages, page)
-  return sdpa_prepare(
-      query, gather_pages(key_cache, table, kv_lengths),
-      gather_pages(value_cache, table, kv_lengths), mask=keep[:, None, None, :],
+  query, key_cache, value_cache, page_table, key_value_seq_lengths, sinks = _checks.arrays(
+      query, key_cache, value_cache, page_table, key_value_seq_lengths, sinks)
+  capacity = _capacity(page_table, page)
+  gathered = lambda cache: jax.ShapeDtypeStruct((b, capacity) + cache.shape[2:], cache.dtype)
+  lengths = lambda x: None if x is None else jax.ShapeDtypeStruct((b,), jnp.int32)
+  call = engines.prepare_abstract(
+      lambda *a, **kw: sdpa_ops.prepare(*a, **kw)[0], query, gathered(key_cache),
+      gathered(value_cache), mask=jax.ShapeDtypeStruct((b, 1, 1, capacity), jnp.bool_),
       scale=scale, is_causal=is_causal, causal_alignment="bottom_right",
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, sinks=sinks,
-      return_lse=return_lse, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=kv_lengths)
+      return_lse=return_lse, query_seq_lengths=lengths(query_seq_lengths),
+      key_value_seq_lengths=lengths(key_value_seq_lengths))
+  q_lengths = (None if query_seq_lengths is None
+               else _metadata.clamp_lengths(query_seq_lengths, query.shape[1]))
+  inputs = PagedInputs(query, key_cache, value_cache, page_table.astype(jnp.int32),
+                       _metadata.clamp_lengths(key_value_seq_lengths, capacity), q_lengths,
+                       sinks)
+  return PagedCall(call, pages, page), inputs
 
 
 def _capacity(page_table, page):
@@ -130,8 +165,9 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   ``jax.experimental.checkify.checkify`` (user checks) each such entry raises an error
   naming the argument and the entry (page ids only of pages below the length).
 
-  ``implementation`` as for ``sdpa``, whose engines serve the gathered call
-  (``cudnn_jax.explain("sdpa_paged", ...)`` names the one that would).
+  ``implementation`` as for ``sdpa``: "cudnn" reads the pages in place, "xla" gathers
+  them (``cudnn_jax.explain("sdpa_paged", ...)`` names the engine and path that would
+  serve a call).
   """
   call, inputs = _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths,
                           query_seq_lengths=query_seq_lengths, scale=scale,
@@ -142,4 +178,88 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   return (out, lse) if return_lse else out
 
 
-engines.register_op("sdpa_paged", lambda *a, **kw: _prepare(*a, **kw)[0], engines_of="sdpa")
+# ---------------------------------------------------------------------------------------
+# Engines.
+
+
+def _on_sdpa_engine(name):
+  """``run`` of the gathered call on ``sdpa``'s engine ``name``."""
+  def run(call: PagedCall, x: PagedInputs):
+    keep = key_positions(x.page_table, x.kv_lengths, call.pages, call.page)
+    inputs = sdpa_ops.SdpaInputs(
+        x.query, gather_pages(x.key_cache, x.page_table, x.kv_lengths),
+        gather_pages(x.value_cache, x.page_table, x.kv_lengths), mask=keep[:, None, None, :],
+        query_seq_lengths=x.q_lengths, key_value_seq_lengths=x.kv_lengths, sinks=x.sinks)
+    return engines.engine("sdpa", name).run(call.gathered, inputs)
+  return run
+
+
+def _in_place_call(call: PagedCall) -> sdpa_ops.SdpaCall:
+  """The call cuDNN serves reading pages in place: no mask (lengths bound the keys). One
+  query row (decode) sees every key up to its length, causal or not."""
+  native = dataclasses.replace(call.gathered, mask_shape=None)
+  if native.t == 1 and native.window is None:
+    native = dataclasses.replace(native, is_causal=False, bottom_right=False)
+  return native
+
+
+def _in_place_config(call: PagedCall):
+  return sdpa_ops.cudnn_config(_in_place_call(call), paged=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _paged_reason(call: PagedCall) -> str | None:
+  """None when cuDNN serves the call reading pages in place, else why not."""
+  native = _in_place_call(call)
+  return (sdpa_ops.cudnn_static_reason(native)
+          or sdpa_ops.cudnn_check(native, _in_place_config(call), False, call.pages, call.page))
+
+
+def _run_in_place(call: PagedCall, x: PagedInputs):
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  native = _in_place_call(call)
+  q_lengths = (x.q_lengths if x.q_lengths is not None
+               else jnp.full(x.kv_lengths.shape, native.t, jnp.int32))
+  table = jnp.clip(x.page_table, 0, call.pages - 1)  # ids past the lengths are never read
+  out, *lse = prim.sdpa_fwd(_in_place_config(call), x.query, x.key_cache, x.value_cache, None,
+                            q_lengths, x.kv_lengths, page_table=table, sinks=x.sinks)
+  lengths = sdpa_ops.SdpaInputs(None, None, None, query_seq_lengths=q_lengths,
+                                key_value_seq_lengths=x.kv_lengths)
+  valid = sdpa_ops._row_valid(native, lengths)  # pylint: disable=protected-access
+  return sdpa_ops.select_rows(valid, out, lse[0] if lse else None, x.sinks, q_lengths)
+
+
+def _run_cudnn(call: PagedCall, x: PagedInputs):
+  gathered = _on_sdpa_engine("cudnn" if _gathered_reason(call) is None else "xla")
+  if _paged_reason(call) is not None:
+    return gathered(call, x)
+  used = jnp.arange(x.page_table.shape[1])[None, :] * call.page < x.kv_lengths[:, None]
+  trusted = jnp.all(_metadata.in_range(x.page_table, call.pages) | ~used)
+  return jax.lax.cond(trusted, functools.partial(_run_in_place, call),
+                      functools.partial(gathered, call), x)
+
+
+def _gathered_reason(call: PagedCall) -> str | None:
+  return engines.engine("sdpa", "cudnn").supports(call.gathered)
+
+
+def _supports_cudnn(call: PagedCall) -> str | None:
+  in_place = _paged_reason(call)
+  if in_place is None:
+    return None
+  gathered = _gathered_reason(call)
+  return None if gathered is None else f"pages in place: {in_place}; gathered: {gathered}"
+
+
+def _describe_cudnn(call: PagedCall) -> str:
+  if _paged_reason(call) is None:
+    return ("cuDNN attention reading the pages in place (the gathered call where a used "
+            "page id is out of range)")
+  return "the pages gathered, on sdpa's cudnn engine"
+
+
+engines.register_op("sdpa_paged", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("sdpa_paged", "xla", supports=lambda call: None,
+                        run=_on_sdpa_engine("xla"))
+engines.register_engine("sdpa_paged", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+                        describe=_describe_cudnn)

@@ -1,19 +1,43 @@
 """Attention over packed (THD) sequences: ``cudnn_jax.sdpa_varlen``.
 
-The packed rows are gathered into a batch of ``max_seqlen`` rows per sequence and run as
-one ``sdpa`` call with per-sequence lengths, so every engine of ``sdpa`` serves
-``sdpa_varlen`` where it serves that padded call; the outputs are gathered back into the
-packed layout. The cost is that of the padded batch: ``n * max_seqlen_q * max_seqlen_kv``
-logits rather than the sum over sequences.
+Engines:
+- "cudnn": cuDNN's attention over the packed rows in place (ragged offsets): no padding is
+  materialized and the work is each sequence's own. Where cuDNN cannot serve that, the
+  padded batch below on ``sdpa``'s cudnn engine.
+- "xla": the packed rows gathered into a batch of ``max_seqlen`` rows per sequence, run as
+  one ``sdpa`` call with per-sequence lengths (its xla engine), gathered back. That costs
+  ``n * max_seqlen_q * max_seqlen_kv`` logits rather than the sum over sequences.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, _metadata, engines
-from cudnn_jax.ops.sdpa import prepare as sdpa_prepare
+from cudnn_jax.ops import sdpa as sdpa_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCall:
+  """A packed call: the padded ``sdpa`` call it equals (B sequences of ``max_seqlen``
+  rows, with lengths) and the packed row counts."""
+  padded: sdpa_ops.SdpaCall
+  rows_q: int
+  rows_kv: int
+
+
+class VarlenInputs(NamedTuple):
+  query: jax.Array  # [Tq, N, H]
+  key: jax.Array  # [Tk, K, H]
+  value: jax.Array  # [Tk, K, Hv]
+  cu_seqlens_q: jax.Array  # [n+1]
+  cu_seqlens_kv: jax.Array
+  sinks: jax.Array | None = None
 
 
 def pad_rows(x, index):
@@ -32,10 +56,9 @@ def unpad_rows(y, index, total, fill=0):
 
 
 def _sequences(cu_seqlens, total, max_len):
-  """(index [n, max_len], lengths [n]) of the served sequences, cut at ``max_len``."""
+  """(starts [n], lengths [n]) of the served sequences, cut at ``max_len``."""
   starts, lengths = _metadata.served_sequences(cu_seqlens, total)
-  index, _ = _metadata.packed_slots(starts, lengths, max_len, total)
-  return index, jnp.minimum(lengths, max_len)
+  return starts, jnp.minimum(lengths, max_len)
 
 
 def _prepare(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q, max_seqlen_kv,
@@ -60,15 +83,20 @@ def _prepare(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q, ma
     raise ValueError(f"key, value: expected one token count, got shapes {tuple(key.shape)} "
                      f"and {tuple(value.shape)}")
 
-  q_index, q_lengths = _sequences(cu_seqlens_q, query.shape[0], max_q)
-  kv_index, kv_lengths = _sequences(cu_seqlens_kv, key.shape[0], max_kv)
-  call, inputs = sdpa_prepare(
-      pad_rows(query, q_index), pad_rows(key, kv_index), pad_rows(value, kv_index),
-      scale=scale, is_causal=is_causal,
-      causal_alignment=causal_alignment, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse,
-      query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
-  return call, inputs, q_index
+  query, key, value, cu_seqlens_q, cu_seqlens_kv, sinks = _checks.arrays(
+      query, key, value, cu_seqlens_q, cu_seqlens_kv, sinks)
+  n = cu_seqlens_q.shape[0] - 1
+  padded = engines.prepare_abstract(
+      lambda *a, **kw: sdpa_ops.prepare(*a, **kw)[0],
+      jax.ShapeDtypeStruct((n, max_q) + query.shape[1:], query.dtype),
+      jax.ShapeDtypeStruct((n, max_kv) + key.shape[1:], key.dtype),
+      jax.ShapeDtypeStruct((n, max_kv) + value.shape[1:], value.dtype),
+      scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, sinks=sinks,
+      return_lse=return_lse, query_seq_lengths=jax.ShapeDtypeStruct((n,), jnp.int32),
+      key_value_seq_lengths=jax.ShapeDtypeStruct((n,), jnp.int32))
+  call = VarlenCall(padded, rows_q=query.shape[0], rows_kv=key.shape[0])
+  return call, VarlenInputs(query, key, value, cu_seqlens_q, cu_seqlens_kv, sinks)
 
 
 def _check(query, key, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv):
@@ -103,20 +131,107 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q,
   offset raises an error naming the argument and the entry. Differentiable in query, key,
   value and sinks.
 
-  ``implementation`` as for ``sdpa``: the engines of ``sdpa`` serve the padded batch
-  (``cudnn_jax.explain("sdpa_varlen", ...)`` names the one that would).
+  ``implementation`` as for ``sdpa``: "cudnn" runs cuDNN's attention over the packed rows
+  in place, "xla" the padded batch (``cudnn_jax.explain("sdpa_varlen", ...)`` names the
+  engine and the path that would serve a call).
   """
-  call, inputs, q_index = _prepare(
+  call, inputs = _prepare(
       query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
       max_seqlen_kv=max_seqlen_kv, scale=scale, is_causal=is_causal,
       causal_alignment=causal_alignment, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse)
   _check(query, key, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
   out, lse = engines.dispatch("sdpa_varlen", implementation, call, inputs)
-  out = unpad_rows(out, q_index, query.shape[0])
-  if not return_lse:
-    return out
-  return out, unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, query.shape[0], -jnp.inf).T
+  return (out, lse) if return_lse else out
 
 
-engines.register_op("sdpa_varlen", lambda *a, **kw: _prepare(*a, **kw)[0], engines_of="sdpa")
+# ---------------------------------------------------------------------------------------
+# Engines.
+
+
+def _lengths(call: VarlenCall, x: VarlenInputs):
+  """(starts, lengths) of the served query and key/value sequences."""
+  return (_sequences(x.cu_seqlens_q, call.rows_q, call.padded.t),
+          _sequences(x.cu_seqlens_kv, call.rows_kv, call.padded.s))
+
+
+def _on_sdpa_engine(name):
+  """``run`` of the padded batch on ``sdpa``'s engine ``name``."""
+  def run(call: VarlenCall, x: VarlenInputs):
+    (q_starts, q_lengths), (kv_starts, kv_lengths) = _lengths(call, x)
+    q_index = _metadata.packed_slots(q_starts, q_lengths, call.padded.t, call.rows_q)[0]
+    kv_index = _metadata.packed_slots(kv_starts, kv_lengths, call.padded.s, call.rows_kv)[0]
+    padded = sdpa_ops.SdpaInputs(
+        pad_rows(x.query, q_index), pad_rows(x.key, kv_index), pad_rows(x.value, kv_index),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, sinks=x.sinks)
+    out, lse = engines.engine("sdpa", name).run(call.padded, padded)
+    out = unpad_rows(out, q_index, call.rows_q)
+    if lse is not None:
+      lse = unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, call.rows_q, -jnp.inf).T
+    return out, lse
+  return run
+
+
+def _packed_config(call: VarlenCall):
+  return sdpa_ops.cudnn_config(call.padded, packed_max_q=call.padded.t,
+                               packed_max_kv=call.padded.s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_reason(call: VarlenCall, backward: bool = False) -> str | None:
+  """None when cuDNN serves the packed rows in place, else why not."""
+  return (sdpa_ops.cudnn_static_reason(call.padded)
+          or sdpa_ops.cudnn_check(call.padded, _packed_config(call), backward))
+
+
+def _run_packed(call: VarlenCall, x: VarlenInputs):
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  (q_starts, q_lengths), (kv_starts, kv_lengths) = _lengths(call, x)
+  first_rows = lambda starts, rows: jnp.append(starts, rows).astype(jnp.int32)  # [n+1]
+  out, *lse = prim.attention(
+      _packed_config(call), functools.partial(_packed_reason, call, True), x.query, x.key,
+      x.value, None, q_lengths, kv_lengths, first_rows(q_starts, call.rows_q),
+      first_rows(kv_starts, call.rows_kv), x.sinks)
+  # Rows of a sequence that keep no key, in the padded layout, then packed.
+  q_index = _metadata.packed_slots(q_starts, q_lengths, call.padded.t, call.rows_q)[0]
+  lengths = sdpa_ops.SdpaInputs(None, None, None, query_seq_lengths=q_lengths,
+                                key_value_seq_lengths=kv_lengths)
+  valid = sdpa_ops._row_valid(call.padded, lengths)  # pylint: disable=protected-access
+  lse = lse[0] if lse else None
+  if valid is not None:
+    valid = unpad_rows(jnp.swapaxes(valid, 1, 2), q_index, call.rows_q, False)  # [Tq, 1|N]
+    out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
+  if lse is not None:
+    lse = unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, call.rows_q, -jnp.inf)  # [Tq, N]
+    if valid is not None:
+      empty = -jnp.inf if x.sinks is None else x.sinks[None, :]
+      lse = jnp.where(valid, lse, empty)
+    lse = lse.T
+  return out, lse
+
+
+def _supports_cudnn(call: VarlenCall) -> str | None:
+  packed = _packed_reason(call)
+  if packed is None:
+    return None
+  padded = engines.engine("sdpa", "cudnn").supports(call.padded)
+  return None if padded is None else f"packed rows: {packed}; padded: {padded}"
+
+
+def _run_cudnn(call: VarlenCall, x: VarlenInputs):
+  if _packed_reason(call) is None:
+    return _run_packed(call, x)
+  return _on_sdpa_engine("cudnn")(call, x)
+
+
+def _describe_cudnn(call: VarlenCall) -> str:
+  if _packed_reason(call) is None:
+    return "cuDNN attention over the packed rows in place (ragged offsets)"
+  return "the sequences padded to max_seqlen, on sdpa's cudnn engine"
+
+
+engines.register_op("sdpa_varlen", lambda *a, **kw: _prepare(*a, **kw)[0])
+engines.register_engine("sdpa_varlen", "xla", supports=lambda call: None,
+                        run=_on_sdpa_engine("xla"))
+engines.register_engine("sdpa_varlen", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+                        describe=_describe_cudnn)

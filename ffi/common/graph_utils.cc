@@ -366,4 +366,45 @@ std::string expect(const char* name, const ffi::AnyBuffer& buf, ffi::DataType dt
   return "";
 }
 
+namespace {
+
+// The plan on the current device, or null with *error set.
+std::shared_ptr<CachedPlan> current_device_plan(std::string_view op, const PlanLookup& lookup,
+                                                std::string* error) {
+  int device = current_device(error);
+  if (device < 0) {
+    *error = stage_message(op, "device", *error);
+    return nullptr;
+  }
+  try {
+    DeviceHandle* handle = nullptr;
+    return lookup(device, &handle, error);
+  } catch (const std::exception& e) {
+    *error = stage_message(op, "exception", e.what());
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+std::string plan_check(std::string_view op, const PlanLookup& lookup) {
+  std::string err;
+  return current_device_plan(op, lookup, &err) ? "" : err;
+}
+
+int64_t plan_workspace_bytes(std::string_view op, const PlanLookup& lookup, std::string* error) {
+  std::shared_ptr<CachedPlan> plan = current_device_plan(op, lookup, error);
+  return plan ? workspace_bound(*plan) : -1;
+}
+
+ffi::Error plan_on_stream(std::string_view op, cudaStream_t stream, const PlanLookup& lookup,
+                          std::shared_ptr<CachedPlan>* plan, DeviceHandle** handle) {
+  std::string err;
+  int device = stream_device(stream, &err);
+  if (device < 0) return internal_error(stage_message(op, "device", err));
+  *plan = lookup(device, handle, &err);
+  if (!*plan) return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
+  return ffi::Error::Success();
+}
+
 }  // namespace cudnn_jax

@@ -53,19 +53,23 @@ inline Workspace workspace_of(ffi::AnyBuffer& buffer) {
 // first execution, the largest of the candidates autotuning would time; alignment included.
 int64_t workspace_bound(CachedPlan& plan);
 
-// An op's check ("" or why cuDNN cannot serve) and workspace size (-1 then) from its plan
-// lookup `find(std::string* error) -> std::shared_ptr<CachedPlan>` (null on failure).
-template <typename Find>
-std::string plan_check(Find find) {
-  std::string err;
-  return find(&err) ? "" : err;
-}
+// How an op finds (or builds) its cached plan on a device: null with *error set when cuDNN
+// cannot serve the configuration.
+using PlanLookup = std::function<std::shared_ptr<CachedPlan>(int device, DeviceHandle** handle,
+                                                             std::string* error)>;
 
-template <typename Find>
-int64_t plan_workspace_bytes(Find find, std::string* error) {
-  std::shared_ptr<CachedPlan> plan = find(error);
-  return plan ? workspace_bound(*plan) : -1;
-}
+// An op's support check on the current device: "" or why cuDNN cannot serve (the failing
+// stage named). Builds and caches the plan.
+std::string plan_check(std::string_view op, const PlanLookup& lookup);
+
+// Bytes of the op's workspace result on the current device; -1 with *error set when cuDNN
+// cannot serve the configuration.
+int64_t plan_workspace_bytes(std::string_view op, const PlanLookup& lookup, std::string* error);
+
+// A handler call's plan and handle on the device of `stream`. An unsupported configuration
+// is the caller's error (engines ask the op's check first): kUnimplemented with the reason.
+ffi::Error plan_on_stream(std::string_view op, cudaStream_t stream, const PlanLookup& lookup,
+                          std::shared_ptr<CachedPlan>* plan, DeviceHandle** handle);
 
 // Runs `plan` on `stream` with tensors bound by uid. On the first run of a plan, times up
 // to 8 candidate plans that fit `workspace` and keeps the fastest (the heuristic's first
