@@ -184,9 +184,10 @@ def test_default_implementation_picks_cudnn():
 
 
 def test_unserved_features_decline_with_reason():
-  args, kwargs = make_case(Config(b=1, t=64, s=64, n=2, k=2, sinks=True, **BF16))
-  with pytest.raises(cudnn_jax.UnsupportedError, match="sinks"):
-    cudnn_jax.sdpa(*args, implementation="cudnn", **kwargs)
+  args, kwargs = make_case(Config(b=1, t=64, s=64, n=2, k=2, **BF16))
+  with pytest.raises(cudnn_jax.UnsupportedError, match="dropout"):
+    cudnn_jax.sdpa(*args, implementation="cudnn", dropout_rate=0.1,
+                   dropout_rng=jax.random.key(0), **kwargs)
 
 
 def test_vmap_under_jit_matches_loop():
