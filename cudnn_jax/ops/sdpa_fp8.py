@@ -85,7 +85,8 @@ def prepare(query, key, value, *, q_scale, k_scale, v_scale, out_scale,
     _checks.float_dtype(name, x, (FP8,))
   scales = []
   for name, x in zip(_SCALES, (q_scale, k_scale, v_scale, out_scale)):
-    x = jnp.asarray(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+    if isinstance(x, (int, float)) and not isinstance(x, bool):  # a Python number
+      x = jnp.asarray(x, jnp.float32)
     _checks.shape_of(name, x)
     if x.size != 1:
       raise ValueError(f"{name}: expected a float32 scalar, got shape {tuple(x.shape)}")
