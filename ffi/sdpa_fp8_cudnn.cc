@@ -347,7 +347,9 @@ ffi::Error split_workspace(cudaStream_t stream, const char* op, ffi::AnyBuffer& 
   *plan_part = {whole.data, whole.size - kScratchBytes};
   uintptr_t start = reinterpret_cast<uintptr_t>(whole.data) + whole.size - kScratchBytes;
   start = (start + kScratchSlot - 1) & ~uintptr_t(kScratchSlot - 1);
-  for (int i = 0; i < slots; ++i) scratch->push_back(reinterpret_cast<void*>(start + i * kScratchSlot));
+  for (int i = 0; i < slots; ++i) {
+    scratch->push_back(reinterpret_cast<void*>(start + i * kScratchSlot));
+  }
   return fill_bytes(stream, op, 0, reinterpret_cast<void*>(start), slots * kScratchSlot);
 }
 

@@ -97,9 +97,8 @@ def test_fp8_random_sweep(capsys):
     record = dict(shape=shape, out_dtype=out_dtype,
                   kwargs={key: np.asarray(x).tolist() for key, x in kwargs.items()})
     try:
-      call = op.prepare(*make_case(np.random.default_rng(0), **shape)[:3],
-                        **make_case(np.random.default_rng(0), **shape)[3],
-                        out_dtype=out_dtype, **kwargs)[0]
+      q, k, v, scales = make_case(np.random.default_rng(0), **shape)
+      call = op.prepare(q, k, v, **scales, out_dtype=out_dtype, **kwargs)[0]
       record["backward"] = op.backward_path(call) if op._supports_cudnn(call) is None else None
       errors, problems = compare(shape, out_dtype, kwargs, seed=i)
     except cudnn_jax.UnsupportedError as e:
