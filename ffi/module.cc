@@ -18,6 +18,7 @@
 #include "grouped_matmul_cudnn.h"
 #include "kernel_constants.h"
 #include "sdpa_cudnn.h"
+#include "sdpa_fp8_cudnn.h"
 #ifdef CUDNN_JAX_HAVE_AOT_KERNELS
 #include "aot_kernels_ffi.h"
 #include "aot_kernels.h"
@@ -39,12 +40,19 @@ std::vector<const char*> conv3d_attributes() {
   return {std::begin(cudnn_jax::kConv3dAttributeNames), std::end(cudnn_jax::kConv3dAttributeNames)};
 }
 
+std::vector<const char*> sdpa_fp8_attributes() {
+  return {std::begin(cudnn_jax::kSdpaFp8AttributeNames),
+          std::end(cudnn_jax::kSdpaFp8AttributeNames)};
+}
+
 const std::vector<Target>& targets() {
   static const std::vector<Target> all = {
       {"cudnn_jax_sdpa_fwd", CudnnJaxSdpaFwd,
        {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
       {"cudnn_jax_sdpa_bwd", CudnnJaxSdpaBwd,
        {std::begin(cudnn_jax::kSdpaAttributeNames), std::end(cudnn_jax::kSdpaAttributeNames)}},
+      {"cudnn_jax_sdpa_fp8_fwd", CudnnJaxSdpaFp8Fwd, sdpa_fp8_attributes()},
+      {"cudnn_jax_sdpa_fp8_bwd", CudnnJaxSdpaFp8Bwd, sdpa_fp8_attributes()},
       {"cudnn_jax_grouped_matmul", CudnnJaxGroupedMatmul, {}},
       {"cudnn_jax_conv3d_fwd", CudnnJaxConv3dFwd, conv3d_attributes()},
       {"cudnn_jax_conv3d_dgrad", CudnnJaxConv3dDgrad, conv3d_attributes()},
@@ -246,6 +254,32 @@ int64_t sdpa_workspace(const nb::dict& config) {
   return workspace_or_raise(&cudnn_jax::sdpa_workspace, parse_sdpa_config(config));
 }
 
+cudnn_jax::SdpaFp8Config parse_sdpa_fp8_config(const nb::dict& d) {
+  cudnn_jax::SdpaFp8Config c;
+  cudnn_jax::visit_sdpa_fp8_attributes(c, [&](const char* name, auto& field) {
+    ConfigEntry{d}(name, &field);
+  });
+  c.backward = as_bool(d, "backward");
+  const std::string out_dtype = as_string(d, "out_dtype");
+  if (!cudnn_jax::sdpa_fp8_out_dtype(out_dtype, &c.out_dtype)) {
+    throw nb::value_error(("config['out_dtype']: unknown dtype '" + out_dtype + "'").c_str());
+  }
+  int64_t* dims[] = {&c.b, &c.t, &c.s, &c.n, &c.k, &c.h, &c.hv};
+  const char* names[] = {"b", "t", "s", "n", "k", "h", "hv"};
+  for (size_t i = 0; i < std::size(names); ++i) *dims[i] = as_int(d, names[i]);
+  return c;
+}
+
+std::string sdpa_fp8_check(const nb::dict& d) {
+  cudnn_jax::SdpaFp8Config c = parse_sdpa_fp8_config(d);
+  nb::gil_scoped_release release;
+  return cudnn_jax::sdpa_fp8_check(c);
+}
+
+int64_t sdpa_fp8_workspace(const nb::dict& config) {
+  return workspace_or_raise(&cudnn_jax::sdpa_fp8_workspace, parse_sdpa_fp8_config(config));
+}
+
 cudnn_jax::GroupedMatmulConfig parse_grouped_matmul_config(const nb::dict& d) {
   cudnn_jax::GroupedMatmulConfig c;
   c.dtype = parse_dtype(as_string(d, "dtype"));
@@ -333,6 +367,13 @@ NB_MODULE(_ffi, m) {
   m.def("sdpa_workspace", &sdpa_workspace, nb::arg("config"),
         "Bytes of the SDPA handlers' workspace result for this configuration (the dict "
         "sdpa_check takes); ValueError when cuDNN cannot serve it.");
+  m.def("sdpa_fp8_check", &sdpa_fp8_check, nb::arg("config"),
+        "'' when cuDNN can serve this FP8 SDPA configuration (the handler attributes, "
+        "backward, out_dtype and shapes) on the current device, else why not. Builds and "
+        "caches the plan.");
+  m.def("sdpa_fp8_workspace", &sdpa_fp8_workspace, nb::arg("config"),
+        "Bytes of an FP8 SDPA handler's workspace result for this configuration (the dict "
+        "sdpa_fp8_check takes); ValueError when cuDNN cannot serve it.");
   m.def("grouped_matmul_workspace", &grouped_matmul_workspace, nb::arg("config"),
         "Bytes of the grouped matmul handler's workspace result; ValueError when cuDNN "
         "cannot serve the configuration.");
