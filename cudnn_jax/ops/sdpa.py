@@ -268,9 +268,16 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
   return (out, lse) if call.return_lse else out
 
 
+# Above this many logits a call of the xla engine runs block by block (cudnn_jax/xla/sdpa.py:
+# memory linear in the sequence lengths) instead of forming them all (reference/sdpa.py).
+BLOCKWISE_ABOVE = 1 << 24
+
+
 def _run_xla(call: SdpaCall, x: SdpaInputs):
   from cudnn_jax.reference import sdpa as ref  # pylint: disable=g-import-not-at-top
-  return ref.sdpa(
+  from cudnn_jax.xla import sdpa as blockwise  # pylint: disable=g-import-not-at-top
+  whole = call.b * call.n * call.t * call.s <= BLOCKWISE_ABOVE
+  return (ref.sdpa if whole else blockwise.sdpa)(
       x.query, x.key, x.value, x.bias, x.mask, scale=call.scale, is_causal=call.is_causal,
       bottom_right=call.bottom_right, window=call.window,
       query_seq_lengths=x.query_seq_lengths, key_value_seq_lengths=x.key_value_seq_lengths,

@@ -1,0 +1,1 @@
+"""Engines in plain JAX where the definition in ``cudnn_jax.reference`` would not scale."""
