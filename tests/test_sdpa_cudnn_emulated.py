@@ -154,3 +154,21 @@ def test_cuda_lowering_passes_offsets_page_tables_and_sinks(cudnn_serves, monkey
                                  argnums=(0, 1, 2))))(q, k, sinks).mlir_module()
   assert "packed_max_q = 6 : i32" in text and "has_sinks = true" in text
   assert text.count("cudnn_jax_sdpa_bwd") == 1
+
+
+def test_dropout_on_the_cudnn_engine(cudnn_serves):
+  """Deterministic for a key (the handlers draw their mask from the key's seed words),
+  inverted, differentiable; rate 0 is no dropout."""
+  rng = np.random.default_rng(3)
+  q, k, v = (_normal(rng, (2, 6, 4, 16)), _normal(rng, (2, 7, 2, 16)),
+             _normal(rng, (2, 7, 2, 16)))
+  cudnn_serves("sdpa")
+  drop = jax.jit(lambda q, key, rate: cudnn_jax.sdpa(q, k, v, is_causal=True, dropout_rate=rate,
+                                                      dropout_rng=key), static_argnums=2)
+  a = drop(q, jax.random.key(7), 0.4)
+  np.testing.assert_array_equal(a, drop(q, jax.random.key(7), 0.4))
+  assert not np.array_equal(a, drop(q, jax.random.key(8), 0.4))
+  np.testing.assert_array_equal(drop(q, jax.random.key(7), 0.0),
+                                cudnn_jax.sdpa(q, k, v, is_causal=True, implementation="xla"))
+  grads = jax.grad(lambda q: jnp.sum(drop(q, jax.random.key(7), 0.4) ** 2))(q)
+  assert np.all(np.isfinite(grads)) and np.any(grads != 0)

@@ -754,3 +754,24 @@ def test_random_sweep_features(op, capsys):
   assert not common_declined, (
       f"cudnn declined {len(common_declined)} common configurations (bfloat16, d=128, "
       f"causal, no window):\n{summary}")
+
+
+def test_dropout_on_cudnn_is_deterministic_inverted_and_differentiable():
+  """cuDNN's Philox dropout keyed by the call's key: the same key gives the same bits,
+  another key other bits; the kept probabilities are scaled by 1 / (1 - rate), so the
+  output's mean over many keys approaches the undropped output; gradients finite."""
+  args, kwargs = make_case(Config(b=2, t=256, s=256, n=4, k=2, h=64, is_causal=True,
+                                  dtype="bfloat16"))
+  q, k, v = args[:3]
+  drop = jax.jit(lambda q, key: cudnn_jax.sdpa(q, k, v, is_causal=True, dropout_rate=0.25,
+                                               dropout_rng=key, implementation="cudnn"))
+  a = drop(q, jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(drop(q, jax.random.key(1)),
+                                                                       np.float32))
+  assert not np.array_equal(np.asarray(a, np.float32),
+                            np.asarray(drop(q, jax.random.key(2)), np.float32))
+  mean = sum(np.asarray(drop(q, jax.random.key(i)), np.float64) for i in range(64)) / 64
+  plain = np.asarray(cudnn_jax.sdpa(q, k, v, is_causal=True, implementation="xla"), np.float64)
+  assert rel_err(mean, plain) < 0.1
+  grads = jax.grad(lambda q: jnp.sum(drop(q, jax.random.key(1)).astype(jnp.float32) ** 2))(q)
+  assert np.all(np.isfinite(np.asarray(grads, np.float32)))
