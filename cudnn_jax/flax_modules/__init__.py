@@ -55,13 +55,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
 # The layers' math on projected arrays, shared by the linen classes below and ``nnx``.
 
 
-def self_attention(q, k, v, *, segment_ids, is_causal, local_window_size, implementation):
-  """``q [..., T, N, H]``, ``k``/``v [..., T, K, H]``, ``segment_ids [..., T]`` or None."""
+def self_attention(q, k, v, *, segment_ids, is_causal, local_window_size, implementation,
+                   **context_parallel):
+  """``q [..., T, N, H]``, ``k``/``v [..., T, K, H]``, ``segment_ids [..., T]`` or None;
+  ``context_parallel``: sdpa's ``context_parallel_axis`` and ``_strategy``, if given."""
   batch = q.shape[:-3]
   q, k, v = (x.reshape((-1,) + x.shape[len(batch):]) for x in (q, k, v))
   seg = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
   out = cudnn_jax.sdpa(q, k, v, is_causal=is_causal, local_window_size=local_window_size,
-                       q_segment_ids=seg, kv_segment_ids=seg, implementation=implementation)
+                       q_segment_ids=seg, kv_segment_ids=seg, implementation=implementation,
+                       **context_parallel)
   return out.reshape(batch + out.shape[1:])
 
 
@@ -101,12 +104,14 @@ def cached_attention(cache, q, k, v, *, is_causal, local_window_size, implementa
   return out, cache
 
 
-def kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, implementation):
+def kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, implementation,
+               sequence_parallel_axis=None):
   """The KDA layer's recurrence: gate in the kernel, beta sigmoid, q/k l2-normalized."""
   return cudnn_jax.kda(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
                        initial_state=state, output_final_state=True,
                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, a_log=a_log,
                        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+                       sequence_parallel_axis=sequence_parallel_axis,
                        implementation=implementation)
 
 
@@ -153,6 +158,9 @@ class MultiHeadAttention(nn.Module):
   attends within x; each later call appends its ``x [B, T, features]`` tokens (one for
   decoding, more for a chunk of a prompt) and attends over everything cached
   (``cudnn_jax.sdpa_paged``; causal, when the layer is, aligned to the newest token).
+
+  ``context_parallel_axis`` (and ``context_parallel_strategy``): sdpa's context
+  parallelism, the sequence sharded along that mesh axis (not with segment_ids).
   """
   num_heads: int
   head_dim: int
@@ -162,6 +170,8 @@ class MultiHeadAttention(nn.Module):
   dtype: Any = None
   implementation: Any = None
   page_size: int = 64
+  context_parallel_axis: str | None = None
+  context_parallel_strategy: str = "all_gather"
 
   @nn.compact
   def __call__(self, x, *, segment_ids=None, decode=False):
@@ -188,7 +198,10 @@ class MultiHeadAttention(nn.Module):
                             self.page_size)
         for n, value in empty.items():
           self.variable("cache", n, lambda value=value: value)
-      out = self_attention(q, k, v, segment_ids=segment_ids, **options)
+      parallel = {} if self.context_parallel_axis is None else dict(
+          context_parallel_axis=self.context_parallel_axis,
+          context_parallel_strategy=self.context_parallel_strategy)
+      out = self_attention(q, k, v, segment_ids=segment_ids, **options, **parallel)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 
@@ -200,12 +213,14 @@ class KimiDeltaAttention(nn.Module):
   softplus(g + dt_bias)``), beta through a sigmoid, q/k l2-normalized; then a per-head RMS
   norm of the output times a sigmoid output gate, and the output projection. ``state``
   (float32 ``[B, num_v_heads, head_dim, head_dim]``) continues a sequence, e.g. decoding.
+  ``sequence_parallel_axis``: kda's, the sequence sharded along that mesh axis.
   """
   num_heads: int
   head_dim: int
   num_v_heads: int | None = None
   dtype: Any = None
   implementation: Any = None
+  sequence_parallel_axis: str | None = None
 
   @nn.compact
   def __call__(self, x, state=None):
@@ -220,7 +235,8 @@ class KimiDeltaAttention(nn.Module):
     beta = dense(hv, "b_proj", use_bias=False)(x)
     a_log = self.param("a_log", a_log_init, (hv,))
     dt_bias = self.param("dt_bias", nn.initializers.zeros, (hv * d,))
-    o, state = kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, self.implementation)
+    o, state = kimi_delta(q, k, v, g, beta, a_log, dt_bias, state, self.implementation,
+                          self.sequence_parallel_axis)
     o = nn.RMSNorm(dtype=self.dtype, name="o_norm")(o)
     gate = heads(dense(hv * d, "o_gate", use_bias=False)(x), hv)
     o = (o * jax.nn.sigmoid(gate)).reshape(b, t, hv * d)

@@ -1,0 +1,2 @@
+"""Models built on cudnn_jax's Flax layers: ``gpt``, a small language model and its
+sharded training."""
