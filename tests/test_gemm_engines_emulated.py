@@ -3,7 +3,7 @@
 Off the GPU their primitives (cudnn_jax/primitives/grouped_gemm.py) lower to the handlers'
 contracts in plain JAX, so everything the engines do around the FFI calls (the batch's
 regrouping, the custom VJPs, the fused/unfused split, routing) runs here, engine choice
-forced past the support checks (which decline without a GPU).
+forced past the support checks (which decline without a GPU) by conftest's ``emulated``.
 """
 
 
@@ -18,19 +18,6 @@ from cudnn_jax import engines
 
 from cudnn_jax.ops import gemm as gemm_module
 from cudnn_jax.ops import moe as moe_module
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-  """``force(op, name)``: engine ``name`` serves ``op`` from then on, its support check
-  (which declines without a GPU) skipped."""
-  original = engines.choose
-
-  def force(op, name):
-    forced = engines.engine(op, name)
-    monkeypatch.setattr(engines, "choose", lambda op_, call, implementation: (
-        forced if op_ == op else original(op_, call, implementation)))
-  return force
 
 
 def _rel(a, b):
