@@ -32,7 +32,14 @@ def check_entries(name, x, bad, why):
   i = _first(bad)
   index = jnp.unravel_index(i, bad.shape) if bad.ndim > 1 else (i,)
   where = ", ".join(["{}"] * len(index))
-  checkify.debug_check(~jnp.any(bad), f"{name}[{where}] = {{}}: {why}", *index, flat[i])
+  try:
+    checkify.debug_check(~jnp.any(bad), f"{name}[{where}] = {{}}: {why}", *index, flat[i])
+  except Exception as e:  # pylint: disable=broad-except
+    # debug_check's vmap rule sorts the batch of predicates, which JAX refuses on a batch
+    # sharded along explicit mesh axes: there the check is left out (the result is
+    # defined all the same).
+    if type(e).__name__ != "ShardingTypeError":
+      raise
 
 
 # ---------------------------------------------------------------------------------------
