@@ -33,7 +33,7 @@ using Tensor = std::shared_ptr<TensorAttrs>;
 // Tensor uids: fixed per role, so one variant-pack layout serves every plan.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kBias, kSeqLenQ, kSeqLenKv, kDO, kDQ, kDK, kDV, kDBias,
-  kQOffsets, kKOffsets, kVOffsets, kOOffsets, kPageTableK, kPageTableV, kSinks,
+  kQOffsets, kKOffsets, kVOffsets, kOOffsets, kPageTableK, kPageTableV, kSinks, kSeed, kOffset,
 };
 
 const char* op_name(const SdpaConfig& c) { return c.backward ? "sdpa_bwd" : "sdpa_fwd"; }
@@ -89,6 +89,7 @@ std::string config_error(const SdpaConfig& c) {
   if (c.paged && (c.pages <= 0 || c.page <= 0 || c.s % c.page != 0)) {
     return "paged caches: the key length must be whole pages";
   }
+  if (c.dropout < 0.f || c.dropout >= 1.f) return "dropout: a probability in [0, 1)";
   if (c.backward && (c.paged || c.has_sinks)) {
     return "backward: paged caches and sinks are forward-only here (the gradient of the "
            "sinks follows from lse)";
@@ -157,6 +158,17 @@ SoftcapMods softcap_mods(const SdpaConfig& c) {
   return mods;
 }
 
+// The int32 per-sequence operands: lengths [B,1,1,1], row offsets [B+1,1,1,1], page
+// tables [B,1,max_pages,1].
+Tensor int32_tensor(Graph& graph, const char* name, int64_t uid, int64_t rows, int64_t cols = 1) {
+  return graph.tensor(TensorAttrs()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({rows, 1, cols, 1})
+                          .set_stride({cols, cols, 1, 1})
+                          .set_data_type(fe::DataType_t::INT32));
+}
+
 // Masks, padding and score modifiers shared by the forward and backward attributes.
 template <typename Attrs>
 void set_masking(Attrs& attrs, const SdpaConfig& c, Graph& graph) {
@@ -164,6 +176,13 @@ void set_masking(Attrs& attrs, const SdpaConfig& c, Graph& graph) {
     attrs.set_padding_mask(true)
         .set_seq_len_q(int32_tensor(graph, "seq_len_q", kSeqLenQ, c.b))
         .set_seq_len_kv(int32_tensor(graph, "seq_len_kv", kSeqLenKv, c.b));
+  }
+  if (c.dropout > 0.f) {  // Philox, keyed by the seed and offset operands
+    auto scalar = [&](const char* name, int64_t uid) {
+      return graph.tensor(TensorAttrs().set_name(name).set_uid(uid).set_dim({1, 1, 1, 1})
+                              .set_stride({1, 1, 1, 1}).set_data_type(fe::DataType_t::INT64));
+    };
+    attrs.set_dropout(c.dropout, scalar("seed", kSeed), scalar("offset", kOffset));
   }
   if (c.softcap > 0.f) {
     SoftcapMods mods = softcap_mods(c);
@@ -193,17 +212,6 @@ TensorAttrs cache_view(const char* name, int64_t uid, const SdpaConfig& c, int64
       .set_uid(uid)
       .set_dim({c.pages, c.k, c.page, dim})
       .set_stride({c.page * c.k * dim, dim, c.k * dim, 1});
-}
-
-// The int32 per-sequence operands: lengths [B,1,1,1], row offsets [B+1,1,1,1], page
-// tables [B,1,max_pages,1].
-Tensor int32_tensor(Graph& graph, const char* name, int64_t uid, int64_t rows, int64_t cols = 1) {
-  return graph.tensor(TensorAttrs()
-                          .set_name(name)
-                          .set_uid(uid)
-                          .set_dim({rows, 1, cols, 1})
-                          .set_stride({cols, cols, 1, 1})
-                          .set_data_type(fe::DataType_t::INT32));
 }
 
 // The ragged offsets of packed rows (element offsets of each sequence's first row), one per
@@ -380,12 +388,13 @@ std::shared_ptr<CachedPlan> plan_for(const SdpaConfig& requested, int device,
 // ---- argument decoding -------------------------------------------------------------
 
 struct Optionals {
-  std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens, page_table, sinks;
+  std::optional<ffi::AnyBuffer> bias, q_lens, kv_lens, page_table, sinks, seed, offset;
   std::optional<ffi::AnyBuffer> offsets[4];  // packed rows: q, k, v, o
 };
 
 // Reads the trailing arguments the attributes announce, in order: bias; q_lens, kv_lens;
-// the four row offsets of packed rows; the page table; the sinks.
+// the four row offsets of packed rows; the page table; the sinks; the dropout seed and
+// offset.
 std::string decode_optionals(const ffi::RemainingArgs& rest, const SdpaConfig& c,
                              Optionals* out) {
   std::vector<std::optional<ffi::AnyBuffer>*> slots;
@@ -396,9 +405,10 @@ std::string decode_optionals(const ffi::RemainingArgs& rest, const SdpaConfig& c
   }
   if (c.paged) slots.push_back(&out->page_table);
   if (c.has_sinks) slots.push_back(&out->sinks);
+  if (c.dropout > 0.f) slots.insert(slots.end(), {&out->seed, &out->offset});
   if (rest.size() != slots.size()) {
     return "expected " + std::to_string(slots.size()) +
-           " trailing arguments (bias, lengths, offsets, page table, sinks), got " +
+           " trailing arguments (bias, lengths, offsets, page table, sinks, dropout), got " +
            std::to_string(rest.size());
   }
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -491,6 +501,9 @@ std::string shapes_from(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     if (offsets) check("offsets", *offsets, ffi::DataType::S32, {c->b + 1});
   }
   if (opt.sinks) check("sinks", *opt.sinks, ffi::DataType::F32, {c->n});
+  // One int64 each, passed as two int32 words (JAX has no int64 without x64).
+  if (opt.seed) check("seed", *opt.seed, ffi::DataType::S32, {2});
+  if (opt.offset) check("offset", *opt.offset, ffi::DataType::S32, {2});
   return err;
 }
 
@@ -522,6 +535,8 @@ void bind_optionals(const Optionals& opt, std::unordered_map<int64_t, void*>& te
     tensors[kPageTableK] = tensors[kPageTableV] = opt.page_table->untyped_data();
   }
   if (opt.sinks) tensors[kSinks] = opt.sinks->untyped_data();
+  if (opt.seed) tensors[kSeed] = opt.seed->untyped_data();
+  if (opt.offset) tensors[kOffset] = opt.offset->untyped_data();
 }
 
 PlanLookup lookup_of(const SdpaConfig& c) {

@@ -25,7 +25,8 @@
   X(packed_max_q, int32_t, 0)   /* > 0: q/out rows packed [Tq,N,H], offsets follow */  \
   X(packed_max_kv, int32_t, 0)  /* > 0: k/v rows packed [Tk,K,H] */                    \
   X(paged, bool, false)         /* forward: k/v caches [P,page,K,H], a page table */   \
-  X(has_sinks, bool, false)     /* forward: a sinks argument [N] float32 follows */
+  X(has_sinks, bool, false)     /* forward: a sinks argument [N] float32 follows */   \
+  X(dropout, float, 0.f)        /* > 0: drop probabilities; seed, offset follow */
 
 namespace cudnn_jax {
 

@@ -23,6 +23,7 @@ def cudnn_serves(emulated, monkeypatch):
   configuration: packed rows and paged caches in place, the cuDNN backward."""
   monkeypatch.setattr(sdpa_ops, "_cudnn_check", lambda call, backward: None)
   monkeypatch.setattr(varlen_ops, "_packed_reason", lambda call, backward=False: None)
+  monkeypatch.setattr(varlen_ops, "packed_reason", lambda padded, backward=False: None)
   monkeypatch.setattr(paged_ops, "_paged_reason", lambda call: None)
   return lambda op: emulated(op, "cudnn")
 
@@ -172,3 +173,28 @@ def test_dropout_on_the_cudnn_engine(cudnn_serves):
                                 cudnn_jax.sdpa(q, k, v, is_causal=True, implementation="xla"))
   grads = jax.grad(lambda q: jnp.sum(drop(q, jax.random.key(7), 0.4) ** 2))(q)
   assert np.all(np.isfinite(grads)) and np.any(grads != 0)
+
+
+@pytest.mark.parametrize("ids", ["runs", "too_many_runs", "repeated_id"])
+def test_segment_ids_as_packed_sequences(cudnn_serves, monkeypatch, ids):
+  """Runs of equal ids become packed sequences on cuDNN; rows with more runs than
+  SEGMENT_RUNS, or an id in two runs, take the xla engine (a branch on the device): every
+  case equals the xla engine, values and gradients."""
+  monkeypatch.setattr(sdpa_ops, "SEGMENT_RUNS", 3)
+  rng = np.random.default_rng(4)
+  q, k, v = (_normal(rng, (2, 9, 4, 16)), _normal(rng, (2, 9, 2, 16)),
+             _normal(rng, (2, 9, 2, 16)))
+  seg = {"runs": [[5, 5, 5, 9, 9, 2, 2, 2, 2], [0] * 9],
+         "too_many_runs": [[1, 1, 2, 2, 3, 3, 4, 4, 4], [0] * 9],
+         "repeated_id": [[1, 1, 2, 2, 1, 1, 1, 1, 1], [0] * 9]}[ids]
+  seg = jnp.asarray(seg, jnp.int32)
+  if ids == "runs":
+    starts, lengths, served = sdpa_ops.segment_runs(seg, seg, 3)
+    np.testing.assert_array_equal(starts, [0, 3, 5, 9, 18, 18])
+    np.testing.assert_array_equal(lengths, [3, 2, 4, 9, 0, 0])
+    assert served
+  run = lambda q, k, v: cudnn_jax.sdpa(q, k, v, is_causal=True, q_segment_ids=seg,
+                                       kv_segment_ids=seg, return_lse=True)
+  (want, want_grads), (got, grads) = _both(run, (q, k, v), "sdpa", cudnn_serves, [0, 1, 2])
+  for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got + grads, want + want_grads):
+    assert _rel(a, b) < 1e-5, name

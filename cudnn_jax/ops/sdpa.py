@@ -311,7 +311,7 @@ def cudnn_config(call: SdpaCall, *, has_bias: bool = False, **layout):
       softcap=call.logits_soft_cap or 0.0, has_bias=has_bias,
       has_padding=call.has_q_lengths or call.has_kv_lengths,
       has_dbias=call.bias_shape is not None, with_lse=call.return_lse,
-      has_sinks=call.has_sinks, **layout)
+      has_sinks=call.has_sinks, dropout=call.dropout_rate, **layout)
 
 
 def cudnn_check(call: SdpaCall, config, backward: bool, pages=0, page=0) -> str | None:
@@ -350,15 +350,84 @@ def cudnn_static_reason(call: SdpaCall) -> str | None:
     return why
   if call.dtype not in ("bfloat16", "float16"):
     return f"dtype {call.dtype}: cuDNN SDPA runs bfloat16 and float16 only"
-  if call.has_segments:
-    return "q_segment_ids/kv_segment_ids: not served by the cudnn engine yet"
-  if call.dropout_rate > 0:
-    return "dropout_rate > 0: not served by the cudnn engine yet"
   return None
 
 
+# Segment ids on cuDNN: each row's runs of equal ids become packed sequences (at most this
+# many per row; a row with more, or with an id in two runs, runs on the xla engine).
+SEGMENT_RUNS = 64
+
+
+def _segments_view(call: SdpaCall) -> tuple[SdpaCall | None, str | None]:
+  """(the padded call equal to ``call``'s runs as sequences, or None with the reason)."""
+  if call.t != call.s:
+    return None, "segment ids: served as packed sequences when queries and keys share rows"
+  unserved = [name for name, x in (("bias", call.bias_shape), ("mask", call.mask_shape))
+              if x is not None] + ["lengths"] * (call.has_q_lengths or call.has_kv_lengths)
+  if unserved:
+    return None, f"segment ids: not together with {', '.join(unserved)}"
+  runs = min(call.t, SEGMENT_RUNS)
+  # A run's query and key rows are the same rows: both causal alignments coincide.
+  return dataclasses.replace(call, b=call.b * runs, has_segments=False, has_q_lengths=True,
+                             has_kv_lengths=True, bottom_right=False), None
+
+
 def _supports_cudnn(call: SdpaCall) -> str | None:
-  return cudnn_static_reason(call) or _cudnn_check(_cudnn_view(call)[0], backward=False)
+  if why := cudnn_static_reason(call):
+    return why
+  if call.has_segments:
+    from cudnn_jax.ops import sdpa_varlen  # pylint: disable=g-import-not-at-top
+    padded, why = _segments_view(call)
+    return why or sdpa_varlen.packed_reason(padded)
+  return _cudnn_check(_cudnn_view(call)[0], backward=False)
+
+
+def segment_runs(q_segment_ids, kv_segment_ids, runs):
+  """``(starts, lengths, served)`` of each row's runs of equal ids as packed sequences of
+  the rows ``[B*T]``: ``starts``, ``lengths`` ``[B*runs]`` (unused runs empty), ``served``
+  whether every row has at most ``runs`` runs, none of whose ids repeats, and the key
+  rows share the query rows' ids."""
+  b, t = q_segment_ids.shape
+  new = jnp.concatenate([jnp.ones((b, 1), bool),
+                         q_segment_ids[:, 1:] != q_segment_ids[:, :-1]], axis=1)
+  run = jnp.cumsum(new, axis=1) - 1  # [B, T]: the run of each row
+  starts = jnp.full((b, runs + 1), t, jnp.int32).at[
+      jnp.arange(b)[:, None], jnp.where(new, jnp.minimum(run, runs), runs)].min(
+          jnp.arange(t, dtype=jnp.int32)[None, :])[:, :runs]
+  lengths = jnp.diff(jnp.concatenate([starts, jnp.full((b, 1), t, jnp.int32)], axis=1))
+  ids = jnp.take_along_axis(q_segment_ids, jnp.minimum(starts, t - 1), axis=1)
+  used = starts < t
+  repeated = (ids[:, :, None] == ids[:, None, :]) & used[:, :, None] & used[:, None, :]
+  repeated &= ~jnp.eye(runs, dtype=bool)
+  served = (jnp.all(run[:, -1] < runs) & ~jnp.any(repeated)
+            & jnp.all(q_segment_ids == kv_segment_ids))
+  flat = lambda x: x.reshape(-1)
+  return flat(starts + t * jnp.arange(b, dtype=jnp.int32)[:, None]), flat(lengths), served
+
+
+def _run_segments(call: SdpaCall, x: SdpaInputs):
+  """Segments as packed sequences on cuDNN where every row's runs qualify (a branch on
+  the device), else the xla engine."""
+  from cudnn_jax.ops import sdpa_varlen  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  padded, _ = _segments_view(call)
+  b, t, n, _ = x.query.shape
+  starts, lengths, served = segment_runs(x.q_segment_ids, x.kv_segment_ids, padded.b // b)
+  seed = prim.seed_words(x.dropout_rng) if call.dropout_rate > 0 else (None, None)
+
+  def packed(x):
+    rows = lambda a: a.reshape((b * t,) + a.shape[2:])
+    out, lse = sdpa_varlen.packed_attention(
+        padded, rows(x.query), rows(x.key), rows(x.value), (starts, lengths),
+        (starts, lengths), x.sinks, seed)
+    out = out.reshape(x.query.shape[:3] + out.shape[-1:])
+    return out, None if lse is None else jnp.swapaxes(lse.reshape(n, b, t), 0, 1)
+
+  def whole(x):
+    out, lse = _run_xla(call, x)
+    return out, lse if call.return_lse else None
+
+  return jax.lax.cond(served, packed, whole, x)
 
 
 def _cudnn_view(call: SdpaCall):
@@ -420,6 +489,8 @@ def _row_valid(call: SdpaCall, x: SdpaInputs):
 
 
 def _run_cudnn(call: SdpaCall, x: SdpaInputs):
+  if call.has_segments:
+    return _run_segments(call, x)
   call, skip = _cudnn_view(call)
   if skip:
     cut = lambda a: a if a is None or a.shape[2] == 1 else a[:, :, skip:]
@@ -449,8 +520,10 @@ def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):
     k_lens = (x.key_value_seq_lengths if x.key_value_seq_lengths is not None
               else jnp.full((call.b,), call.s, jnp.int32))
   config = cudnn_config(call, has_bias=bias is not None)
+  seed = prim.seed_words(x.dropout_rng) if call.dropout_rate > 0 else (None, None)
   out, *lse = prim.attention(config, functools.partial(_cudnn_check, call, True),
-                             x.query, x.key, x.value, bias, q_lens, k_lens, sinks=x.sinks)
+                             x.query, x.key, x.value, bias, q_lens, k_lens, sinks=x.sinks,
+                             seed=seed[0], offset=seed[1])
   return select_rows(_row_valid(call, x), out, lse[0] if lse else None, x.sinks, q_lens)
 
 

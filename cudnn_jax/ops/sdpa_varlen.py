@@ -172,42 +172,58 @@ def _on_sdpa_engine(name):
   return run
 
 
-def _packed_config(call: VarlenCall):
-  return sdpa_ops.cudnn_config(call.padded, packed_max_q=call.padded.t,
-                               packed_max_kv=call.padded.s)
+def packed_config(padded: sdpa_ops.SdpaCall):
+  """The handlers' config for ``padded``'s sequences as packed rows."""
+  return sdpa_ops.cudnn_config(padded, packed_max_q=padded.t, packed_max_kv=padded.s)
 
 
 @functools.lru_cache(maxsize=1024)
+def packed_reason(padded: sdpa_ops.SdpaCall, backward: bool = False) -> str | None:
+  """None when cuDNN serves ``padded``'s sequences as packed rows in place, else why not."""
+  return (sdpa_ops.cudnn_static_reason(padded)
+          or sdpa_ops.cudnn_check(padded, packed_config(padded), backward))
+
+
 def _packed_reason(call: VarlenCall, backward: bool = False) -> str | None:
-  """None when cuDNN serves the packed rows in place, else why not."""
-  return (sdpa_ops.cudnn_static_reason(call.padded)
-          or sdpa_ops.cudnn_check(call.padded, _packed_config(call), backward))
+  return packed_reason(call.padded, backward)
 
 
-def _run_packed(call: VarlenCall, x: VarlenInputs):
+def packed_attention(padded: sdpa_ops.SdpaCall, query, key, value, q_sequences, kv_sequences,
+                     sinks=None, seed=(None, None), backward_ok=None):
+  """``(out [Tq,N,Hv], lse [N,Tq] or None)`` of cuDNN's attention over packed rows in
+  place: sequence i owns query rows ``q_starts[i] : + q_lengths[i]`` (``q_sequences``) and
+  key/value rows likewise; ``padded`` the equal padded call. Rows no sequence owns, and
+  rows that keep no key, are 0 (lse -inf, or the sink)."""
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
-  (q_starts, q_lengths), (kv_starts, kv_lengths) = _lengths(call, x)
+  (q_starts, q_lengths), (kv_starts, kv_lengths) = q_sequences, kv_sequences
+  rows_q, rows_kv = query.shape[0], key.shape[0]
   first_rows = lambda starts, rows: jnp.append(starts, rows).astype(jnp.int32)  # [n+1]
+  backward_ok = backward_ok or functools.partial(packed_reason, padded, True)
   out, *lse = prim.attention(
-      _packed_config(call), functools.partial(_packed_reason, call, True), x.query, x.key,
-      x.value, None, q_lengths, kv_lengths, first_rows(q_starts, call.rows_q),
-      first_rows(kv_starts, call.rows_kv), x.sinks)
+      packed_config(padded), backward_ok, query, key, value, None, q_lengths, kv_lengths,
+      first_rows(q_starts, rows_q), first_rows(kv_starts, rows_kv), sinks, *seed)
   # Rows of a sequence that keep no key, in the padded layout, then packed.
-  q_index = _metadata.packed_slots(q_starts, q_lengths, call.padded.t, call.rows_q)[0]
+  q_index = _metadata.packed_slots(q_starts, q_lengths, padded.t, rows_q)[0]
   lengths = sdpa_ops.SdpaInputs(None, None, None, query_seq_lengths=q_lengths,
                                 key_value_seq_lengths=kv_lengths)
-  valid = sdpa_ops._row_valid(call.padded, lengths)  # pylint: disable=protected-access
+  valid = sdpa_ops._row_valid(padded, lengths)  # pylint: disable=protected-access
   lse = lse[0] if lse else None
   if valid is not None:
-    valid = unpad_rows(jnp.swapaxes(valid, 1, 2), q_index, call.rows_q, False)  # [Tq, 1|N]
+    valid = unpad_rows(jnp.swapaxes(valid, 1, 2), q_index, rows_q, False)  # [Tq, 1|N]
     out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
   if lse is not None:
-    lse = unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, call.rows_q, -jnp.inf)  # [Tq, N]
+    lse = unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, rows_q, -jnp.inf)  # [Tq, N]
     if valid is not None:
-      empty = -jnp.inf if x.sinks is None else x.sinks[None, :]
+      empty = -jnp.inf if sinks is None else sinks[None, :]
       lse = jnp.where(valid, lse, empty)
     lse = lse.T
   return out, lse
+
+
+def _run_packed(call: VarlenCall, x: VarlenInputs):
+  # The module's _packed_reason, looked up when called (tests stand in for cuDNN's).
+  return packed_attention(call.padded, x.query, x.key, x.value, *_lengths(call, x), x.sinks,
+                          backward_ok=functools.partial(_packed_reason, call, True))
 
 
 def _supports_cudnn(call: VarlenCall) -> str | None:

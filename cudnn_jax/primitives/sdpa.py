@@ -53,6 +53,7 @@ class SdpaConfig:
   packed_max_kv: int = 0
   paged: bool = False  # forward: keys and values in paged caches
   has_sinks: bool = False  # forward: a sinks operand
+  dropout: float = 0.0  # > 0: probabilities dropped (inverted) by a Philox mask of the seed
 
   def attributes(self) -> dict:
     """The FFI attributes, typed as the handlers bind them."""
@@ -76,6 +77,8 @@ class Extras(NamedTuple):
   cu_kv: jax.Array | None = None
   page_table: jax.Array | None = None
   sinks: jax.Array | None = None
+  seed: jax.Array | None = None  # dropout: [2] int32, the words of an int64 (and an offset)
+  offset: jax.Array | None = None
 
   def present(self):
     return [x for x in self if x is not None]
@@ -85,7 +88,8 @@ class Extras(NamedTuple):
     """The operands after q, k, v (and out, dout, lse) as the config announces them."""
     flags = (config.has_bias, config.has_padding, config.has_padding,
              config.packed_max_q > 0, config.packed_max_q > 0,
-             config.paged and not backward, config.has_sinks)
+             config.paged and not backward, config.has_sinks, config.dropout > 0,
+             config.dropout > 0)
     operands = iter(operands)
     return cls(*(next(operands) if flag else None for flag in flags))
 
@@ -127,8 +131,8 @@ def _handler_operands(config, q, k, v, extras: Extras):
   offsets = [(cu * per_row).astype(jnp.int32) for cu, per_row in (
       (extras.cu_q, n * q.shape[2]), (extras.cu_kv, kh * k.shape[2]),
       (extras.cu_kv, kh * v.shape[2]), (extras.cu_q, n * v.shape[2]))]
-  sinks = [] if extras.sinks is None else [extras.sinks]
-  return Extras(extras.bias, extras.q_lens, extras.kv_lens).present() + offsets + sinks
+  rest = Extras(sinks=extras.sinks, seed=extras.seed, offset=extras.offset).present()
+  return Extras(extras.bias, extras.q_lens, extras.kv_lens).present() + offsets + rest
 
 
 def _fwd_ffi(config, q, k, v, *operands):
@@ -183,7 +187,7 @@ def _fwd_emulated(config, q, k, v, *operands):
   extras = Extras.of(config, operands)
   qp, kp, vp, q_index = _unpacked(config, q, k, v, extras)
   out, lse = _reference(config, qp, kp, vp, extras.bias, extras.q_lens, extras.kv_lens,
-                        extras.sinks)
+                        extras.sinks, extras.seed)
   if q_index is not None:
     out = _packed(out, q_index, q.shape[0])
   return (out, lse)[:1 + config.with_lse]
@@ -219,6 +223,8 @@ def _rule(backward, config, *shapes):
     extras.append("b m")
   if config.has_sinks:
     extras.append("n")
+  if config.dropout > 0:
+    extras += ["e", "e"]
   qkv = [f"{q} h", f"{kv} h", f"{kv} d"]
   if backward:
     operands = qkv + [f"{q} d", f"{q} d", "b n t"] + extras
@@ -250,42 +256,55 @@ def sdpa_bwd(config, q, k, v, out, dout, lse, bias=None, q_lens=None, kv_lens=No
 # cuDNN backward cannot serve (its support check declines, or lse itself is differentiated).
 
 
-def _reference(config, q, k, v, bias, q_lens, kv_lens, sinks=None):
+def _reference(config, q, k, v, bias, q_lens, kv_lens, sinks=None, seed=None):
+  """The handlers' math; dropout (emulated) keyed by the seed's words."""
   from cudnn_jax.reference import sdpa as ref  # pylint: disable=g-import-not-at-top
   left = None if config.window_left < 0 else config.window_left
   right = None if config.window_right < 0 else config.window_right
+  rng = None
+  if config.dropout > 0:
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed[0]), seed[1])
   return ref.sdpa(q, k, v, bias, scale=config.scale, is_causal=config.causal,
                   bottom_right=config.bottom_right,
                   window=None if left is None and right is None else (left, right),
                   query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-                  logits_soft_cap=config.softcap or None, sinks=sinks)
+                  logits_soft_cap=config.softcap or None, sinks=sinks,
+                  dropout_rate=config.dropout, dropout_rng=rng)
+
+
+def seed_words(key):
+  """A PRNG key's dropout seed for the handlers: ``(seed, offset)``, [2] int32 each."""
+  seed = jax.lax.bitcast_convert_type(jax.random.bits(key, (2,), jnp.uint32), jnp.int32)
+  return seed, jnp.zeros((2,), jnp.int32)
 
 
 def attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens, cu_q=None, cu_kv=None,
-              sinks=None):
+              sinks=None, seed=None, offset=None):
   """(out, lse) through cuDNN, or (out,) when ``config.with_lse`` is False; differentiable
-  in q, k, v, bias and sinks (packed rows: ``cu_q``, ``cu_kv``).
+  in q, k, v, bias and sinks (packed rows: ``cu_q``, ``cu_kv``; dropout: ``seed_words``).
 
   ``backward_ok``: a static callable returning None when the cuDNN backward serves this
   call, else the reason to fall back to the xla engine's VJP.
   """
-  return _attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks)
+  return _attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks,
+                    seed, offset)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks):
+def _attention(config, backward_ok, q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks, seed,
+               offset):
   del backward_ok
   return tuple(sdpa_fwd(config, q, k, v, bias, q_lens, kv_lens, cu_q=cu_q, cu_kv=cu_kv,
-                        sinks=sinks))
+                        sinks=sinks, seed=seed, offset=offset))
 
 
 def _attention_fwd(config, backward_ok, *operands):
   del backward_ok
   operands = [getattr(x, "value", x) for x in operands]
-  q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks = operands
+  q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks, seed, offset = operands
   # The backward needs lse, so the forward always produces it.
   out, lse = sdpa_fwd(dataclasses.replace(config, with_lse=True), q, k, v, bias, q_lens,
-                      kv_lens, cu_q=cu_q, cu_kv=cu_kv, sinks=sinks)
+                      kv_lens, cu_q=cu_q, cu_kv=cu_kv, sinks=sinks, seed=seed, offset=offset)
   return (out, lse)[:1 + config.with_lse], (*operands, out, lse)
 
 
@@ -305,31 +324,33 @@ def _sinks_grad(config, sinks, out, dout, lse, q_lens, cu_q):
 
 
 def _attention_bwd(config, backward_ok, res, cts):
-  q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks, out, lse = res
+  q, k, v, bias, q_lens, kv_lens, cu_q, cu_kv, sinks, seed, offset, out, lse = res
   dout, dlse = cts if config.with_lse else (cts[0], jax.custom_derivatives.SymbolicZero(
       jax.core.ShapedArray(lse.shape, lse.dtype)))
   no_grads = tuple(None if x is None else np.zeros(x.shape, jax.dtypes.float0)
                    for x in (q_lens, kv_lens, cu_q, cu_kv))
+  no_seed = tuple(None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+                  for x in (seed, offset))
   if isinstance(dlse, jax.custom_derivatives.SymbolicZero) and backward_ok() is None:
     if isinstance(dout, jax.custom_derivatives.SymbolicZero):
       dout = jnp.zeros(dout.shape, dout.dtype)
     dout = dout.astype(out.dtype)
     grads = sdpa_bwd(config, q, k, v, out, dout, lse, bias, q_lens, kv_lens, cu_q=cu_q,
-                     cu_kv=cu_kv, sinks=sinks)
+                     cu_kv=cu_kv, sinks=sinks, seed=seed, offset=offset)
     dbias = None
     if bias is not None:
       dbias = grads[3] if config.has_dbias else jnp.zeros_like(bias)
     dsinks = None if sinks is None else _sinks_grad(config, sinks, out, dout, lse, q_lens, cu_q)
-    return (*grads[:3], dbias) + no_grads + (dsinks,)
+    return (*grads[:3], dbias) + no_grads + (dsinks,) + no_seed
   dout, dlse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, jax.custom_derivatives.SymbolicZero)
                 else c for c in (dout, dlse))
 
   def forward(q, k, v, bias, sinks):
-    extras = Extras(bias, q_lens, kv_lens, cu_q, cu_kv, None, sinks)
+    extras = Extras(bias, q_lens, kv_lens, cu_q, cu_kv, None, sinks, seed, offset)
     return _fwd_emulated(dataclasses.replace(config, with_lse=True), q, k, v, *extras.present())
 
   dq, dk, dv, dbias, dsinks = jax.vjp(forward, q, k, v, bias, sinks)[1]((dout, dlse))
-  return (dq, dk, dv, dbias) + no_grads + (dsinks,)
+  return (dq, dk, dv, dbias) + no_grads + (dsinks,) + no_seed
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
