@@ -1,0 +1,267 @@
+"""Trains the small GPT-style model of cudnn_jax/models/gpt.py on generated data and reports
+tokens/s and, per collective, the bytes one training step moves (read from the compiled
+program) beside what the parallelism layout predicts.
+
+  python bench/train.py                                  # CPU: 8 host devices, data=2,tensor=2,sequence=2
+  python bench/train.py --mesh data=4,expert=2           # expert parallel (the expert axis is Explicit)
+  python bench/train.py --mesh data=8 --steps 200        # 8 GPUs of one host
+  python bench/train.py --coordinator host0:1234 --num-processes 2 --process-id 0   # on each host
+
+With ``--num-processes`` the same script runs on several processes (``jax.distributed``):
+each process places only its own shards of the batch. ``--out FILE.npz`` saves the losses
+and the final parameters. On a GPU ``--baseline`` also trains the same model with
+attention on ``jax.nn.dot_product_attention`` and the experts on ``lax.ragged_dot``
+(data parallel layouts only: jax.nn has no context parallelism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import sys
+import time
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--mesh", default=None,
+                 help="axis=size,... with axes from data, tensor, sequence, expert "
+                      "(default: data=2,tensor=2,sequence=2 on 8 devices, else data=<all>)")
+  p.add_argument("--expert-axis", default=None, help="the axis experts are sharded on")
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--length", type=int, default=64)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--width", type=int, default=64)
+  p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (params float32)")
+  p.add_argument("--cpu-devices", type=int, default=8, help="host devices when on the CPU")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0")
+  p.add_argument("--num-processes", type=int, default=1)
+  p.add_argument("--process-id", type=int, default=0)
+  p.add_argument("--baseline", action="store_true",
+                 help="also jax.nn.dot_product_attention + lax.ragged_dot (GPU)")
+  p.add_argument("--out", default=None, help="save losses and final params (.npz)")
+  return p.parse_args(argv)
+
+
+def start_jax(args):
+  """Imports jax after setting what must precede it: the host device count, and CPU
+  collectives through gloo when several processes share the CPU."""
+  flag = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  import jax  # pylint: disable=g-import-not-at-top
+  if args.num_processes > 1:
+    if jax.config.jax_platforms in (None, "", "cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  return jax
+
+
+# ---------------------------------------------------------------------------------------
+# Collectives of a compiled program: bytes of each op's result per device, every op
+# counted as often as it runs (while loops by their known trip counts).
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4,
+                "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|u64|s32|u32|s16|u16|s8|u8|pred)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"=\s*(.*?)\s([a-z\-]+)\(")
+_CALLED = re.compile(r"(body|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _bytes(type_text):
+  return sum(_DTYPE_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n)
+             for d, dims in _ARRAY.findall(type_text))
+
+
+def collective_bytes(hlo_text):
+  """{kind: bytes per step per device} of the collectives in ``hlo_text``."""
+  comps, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      comps[current] = ([], [])  # (collectives, calls)
+      entry = current if line.startswith("ENTRY") else entry
+      continue
+    op = _OP.search(line) if current else None
+    if not op:
+      continue
+    type_text, name = op.groups()
+    kind = name[:-5] if name.endswith("-done") else name
+    if kind in KINDS and not name.endswith("-start"):
+      comps[current][0].append((kind, _bytes(type_text)))
+    trips = _TRIPS.search(line)
+    for role, callee in _CALLED.findall(line):
+      comps[current][1].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
+    for group in _BRANCHES.findall(line):
+      comps[current][1].extend((c.strip().lstrip("%"), 1) for c in group.split(","))
+
+  totals = dict.fromkeys(KINDS, 0)
+
+  def visit(comp, times, depth=0):
+    if comp not in comps or depth > 50:
+      return
+    for kind, nbytes in comps[comp][0]:
+      totals[kind] += times * nbytes
+    for callee, trips in comps[comp][1]:
+      visit(callee, times * trips, depth + 1)
+
+  visit(entry, 1)
+  return totals
+
+
+def expected_bytes(cfg, layout, mesh, batch, length, param_bytes):
+  """{kind: bytes per step per device} the layout predicts (float32 activations):
+
+  - all-reduce: the gradients of the weights replicated over the data and sequence axes
+    (each device's shard of them); under tensor parallelism the partial sums of the
+    attention and KDA output projections, and of their input projections' gradients;
+    under expert parallelism the experts' partial outputs and their input gradients;
+  - collective-permute: the ring attention's key/value shards, S - 1 steps;
+  - all-gather: the KDA span maps (M [K,K] and B [K,V] per sequence and head) of every
+    device along the sequence axis, and reduce-scatter: their transposes.
+  Forward collectives run three times per step: forward, rematerialized forward, and
+  transposed in the backward pass.
+  """
+  size = lambda role: mesh.shape[getattr(layout, role)] if getattr(layout, role) else 1
+  d, t, s, e = (size(r) for r in ("data", "tensor", "sequence", "expert"))
+  tokens = batch * length // (d * s)  # per device
+  act = tokens * cfg.width * 4
+  heads = cfg.heads // t
+  kv = tokens * heads * cfg.head_dim * 4
+  maps = (batch // d) * heads * cfg.head_dim * (cfg.head_dim + cfg.head_dim) * 4
+  passes = 3 * cfg.layers
+  return {
+      "all-reduce": (param_bytes if d * s > 1 else 0) + passes * act * (
+          (2 if t > 1 else 0) + (1 if e > 1 else 0)),
+      "all-gather": passes * s * maps if s > 1 else 0,
+      "reduce-scatter": cfg.layers * maps if s > 1 else 0,
+      "collective-permute": passes * (s - 1) * 2 * kv,
+      "all-to-all": 0,
+  }
+
+
+# ---------------------------------------------------------------------------------------
+# The baseline model: the same layers with jax.nn's attention and lax.ragged_dot experts.
+
+
+@contextlib.contextmanager
+def baseline_ops():
+  """While active, cudnn_jax.sdpa is jax.nn.dot_product_attention and cudnn_jax.moe_mlp
+  a sort + two lax.ragged_dot (GPU comparisons; no context parallelism)."""
+  import cudnn_jax  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def sdpa(q, k, v, *, is_causal=False, **unused):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal)
+
+  def moe_mlp(x, idx, w, w_up, w_down, *, glu="swiglu", **unused):
+    e, k = w_up.shape[0], idx.shape[1]
+    order = jnp.argsort(idx.reshape(-1), stable=True)
+    sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[order // k], w_up, sizes)
+    gate, up = jnp.split(h, 2, -1)
+    y = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, sizes)
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[order // k].add(y.astype(x.dtype))
+
+  saved = cudnn_jax.sdpa, cudnn_jax.moe_mlp
+  cudnn_jax.sdpa, cudnn_jax.moe_mlp = sdpa, moe_mlp
+  try:
+    yield
+  finally:
+    cudnn_jax.sdpa, cudnn_jax.moe_mlp = saved
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def train(jax, gpt, cfg, mesh, layout, args, label):
+  """Trains ``args.steps`` steps; returns (losses, final params, tokens/s, compiled)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  trainer = gpt.Trainer(cfg, mesh, layout)
+  state = trainer.init(seed=0)
+  batches = [trainer.batch(*gpt.synthetic_batch(i, args.batch, args.length, cfg.vocab))
+             for i in range(args.steps)]
+  compiled = trainer.lower(state, *batches[0]).compile()
+  losses, start = [], None
+  for i, (x, y) in enumerate(batches):
+    if i == 1:  # the first step warms up
+      jax.block_until_ready(state)
+      start = time.perf_counter()
+    with jax.set_mesh(mesh):
+      state, loss = compiled(state, x, y)
+    losses.append(loss)
+  jax.block_until_ready(state)
+  elapsed = time.perf_counter() - start if start else float("nan")
+  tokens_per_s = (args.steps - 1) * args.batch * args.length / elapsed
+  losses = [float(x) for x in losses]
+  if jax.process_index() == 0:
+    print(f"{label}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps, "
+          f"{tokens_per_s:,.0f} tokens/s")
+  return np.array(losses), state[0], tokens_per_s, compiled
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  jax = start_jax(args)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.models import gpt  # pylint: disable=g-import-not-at-top
+
+  n = jax.device_count()
+  text = args.mesh or ("data=2,tensor=2,sequence=2" if n == 8 else f"data={n}")
+  sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+  mesh = gpt.make_mesh(sizes, expert=args.expert_axis)
+  layout = gpt.Layout.of(mesh, expert=args.expert_axis)
+  cfg = gpt.Config(width=args.width, layers=args.layers,
+                   dtype=jnp.bfloat16 if args.bf16 else None)
+  lead = jax.process_index() == 0
+  if lead:
+    print(f"{jax.process_count()} process(es), {n} {jax.devices()[0].platform} devices, "
+          f"mesh {dict(mesh.shape)}, {layout}")
+    print(f"model {cfg}, batch {args.batch} x {args.length} tokens")
+
+  losses, params, _, compiled = train(jax, gpt, cfg, mesh, layout, args, "cudnn_jax")
+  param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+  hlo = compiled.as_text()
+  if os.environ.get("TRAIN_HLO"):
+    with open(os.environ["TRAIN_HLO"], "w") as f:
+      f.write(hlo)
+  measured = collective_bytes(hlo)
+  expected = expected_bytes(cfg, layout, mesh, args.batch, args.length, param_bytes)
+  if lead:
+    print(f"\n{'collective':20s} {'measured B/step/device':>24s} {'expected':>14s}")
+    for kind in KINDS:
+      print(f"{kind:20s} {measured[kind]:24,d} {expected[kind]:14,d}")
+  if args.baseline and jax.devices()[0].platform == "gpu":
+    if layout.sequence or layout.expert:
+      print("baseline: data and tensor parallel layouts only")
+    else:
+      with baseline_ops():
+        train(jax, gpt, cfg, mesh, layout, args, "jax.nn + lax.ragged_dot")
+  if args.out:
+    gathered = multihost_utils.process_allgather(params, tiled=True)
+    if lead:
+      flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
+              for path, x in jax.tree_util.tree_flatten_with_path(gathered)[0]}
+      np.savez(args.out, losses=losses, **flat)
+  if lead and not losses[-1] < losses[0]:
+    print("loss did not go down", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
