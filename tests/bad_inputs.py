@@ -392,7 +392,110 @@ GEMM = [
          "no tokens: the empty output", expect=lambda y: _eq(y.shape, (0, 8))),
 ]
 
-CATALOGUE = SDPA + VARLEN + PAGED + KDA + GEMM
+
+# ---------------------------------------------------------------------------------------
+# bsa: Sq = Skv = 40 in blocks of 16 (Nq = Nkv = 3, the last block 8 tokens), N = 2, K = 1
+
+_BS = 16
+_BQ = _normal(1, 40, 2, 8, seed=7)
+_BK, _BV = _normal(1, 40, 1, 8, seed=8), _normal(1, 40, 1, 8, seed=9)
+# block_index [1, N, Nq, Kmax=2]: query block m of head n lists kv blocks _SEL[n][m].
+_SEL = [[[0, 1], [1, 2], [2, 0]], [[2, 1], [0, 2], [1, 0]]]
+_BSA = jax.jit(lambda *a, **kw: cudnn_jax.bsa(*a, **kw, block_size=_BS, return_lse=True))
+
+
+def _bsa(index=None, counts=None, sizes=None):
+  index = np.asarray(_SEL if index is None else index, np.int32).reshape(1, 2, 3, -1)
+  counts = None if counts is None else np.asarray(counts, np.int32).reshape(1, 2, 3)
+  sizes = None if sizes is None else np.asarray(sizes, np.int32)
+  return lambda: _BSA(_BQ, _BK, _BV, index, counts, kv_block_sizes=sizes)
+
+
+def _bsa_as(selected, sizes=(16, 16, 8)):
+  """Expected: query block m of head n attends the first ``sizes[c]`` keys of each kv block
+  c of ``selected[n][m]`` (the float64 oracle of the equivalent token mask)."""
+  def expect(result):
+    mask = np.zeros((1, 2, 40, 40), bool)
+    for n, rows in enumerate(selected):
+      for m, blocks in enumerate(rows):
+        for c in blocks:
+          mask[0, n, m * _BS:(m + 1) * _BS, c * _BS:c * _BS + sizes[c]] = True
+    want_out, want_lse = sdpa_oracle.oracle(_BQ, _BK, _BV, mask=mask)
+    _close(result[0], want_out)
+    _close(result[1], want_lse)
+  return expect
+
+
+def _bsa_empty(shape):
+  def expect(result):
+    out, lse = result
+    _eq((out.shape, lse.shape), (shape, (shape[0], shape[2], shape[1])))
+    assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+  return expect
+
+
+def _bsa_shapes(*shapes):
+  """``bsa`` on zeros of these (query, key, value, block_index) shapes: the output shapes."""
+  def run():
+    results = []
+    for qs, ks, vs, index in shapes:
+      z = lambda shape, dtype=np.float32: np.zeros(shape, dtype)
+      results.append(_BSA(z(qs), z(ks), z(vs), z(index, np.int32))[0].shape)
+    return results
+  return run
+
+
+BSA = [
+    Case("bsa", "bsa(..., block_index with 9 and -1) with Nkv = 3",
+         _bsa([[[0, 9], [1, 2], [2, 0]], [[2, 1], [-1, 2], [1, 0]]]),
+         "indices outside [0, Nkv) select nothing (skipped, never clipped onto a block), "
+         "on every engine",
+         expect=_bsa_as([[[0], [1, 2], [2, 0]], [[2, 1], [2], [1, 0]]]),
+         checkify=r"block_index\[0, 0, 0, 1\] = 9: expected an index in \[0, 3\)"),
+    Case("bsa", "bsa(..., block_counts=[[-2, 5, 1], [2, 0, 2]]) with Kmax = 2",
+         _bsa(counts=[[-2, 5, 1], [2, 0, 2]]), "counts clamped to [0, Kmax], on every engine",
+         expect=_bsa_as([[[], [1, 2], [2]], [[2, 1], [], [1, 0]]]),
+         checkify=r"block_counts\[0, 0, 0\] = -2: expected a count in \[0, 2\]"),
+    Case("bsa", "bsa(..., block_index with 9 and -1 past block_counts)",
+         _bsa([[[0, 9], [1, 2], [2, 0]], [[2, 1], [0, -1], [1, 0]]],
+              counts=[[1, 2, 2], [2, 1, 2]]),
+         "entries past a row's count are never read (nor checked)",
+         expect=_bsa_as([[[0], [1, 2], [2, 0]], [[2, 1], [0], [1, 0]]])),
+    Case("bsa", "bsa(..., block_size=16, kv_block_sizes=[-3, 20, 5])",
+         _bsa(sizes=[-3, 20, 5]),
+         "sizes clamped to [0, block_size] (and the last block cut at Skv), on every engine",
+         expect=_bsa_as(_SEL, sizes=(0, 16, 5)),
+         checkify=r"kv_block_sizes\[0\] = -3: expected a size in \[0, 16\]"),
+    Case("bsa", "bsa(q, k, v, ...) with head dim H = 0",
+         _bsa_shapes(((1, 40, 2, 0), (1, 40, 1, 0), (1, 40, 1, 8), (1, 2, 3, 2))),
+         "ValueError: head dim must be >= 1 (the scale is 1/sqrt(H))", ValueError,
+         "query: head dim H must be >= 1"),
+    Case("bsa", "bsa(q, k, v, ...) with K = 0 kv heads",
+         _bsa_shapes(((1, 40, 2, 8), (1, 40, 0, 8), (1, 40, 0, 8), (1, 2, 3, 2))),
+         "ValueError: kv heads must be >= 1 and divide N", ValueError, "kv heads K=0"),
+    Case("bsa", "bsa(q, k, v, block_index [B,N,Nq,0], return_lse=True)",
+         _bsa(np.zeros((1, 2, 3, 0), np.int32)),
+         "Kmax = 0: every row outputs 0, lse = -inf, on every engine",
+         expect=_bsa_empty((1, 40, 2, 8))),
+    Case("bsa", "bsa(q, k, v, block_index, return_lse=True) with Skv = 0 keys",
+         lambda: _BSA(_BQ, _BK[:, :0], _BV[:, :0], np.zeros((1, 2, 3, 2), np.int32)),
+         "every row outputs 0, lse = -inf, on every engine", expect=_bsa_empty((1, 40, 2, 8))),
+    Case("bsa", "bsa(q, k, v, block_index) with B = 0, N = 0, Sq = 0 or Hv = 0",
+         _bsa_shapes(((0, 40, 2, 8), (0, 40, 1, 8), (0, 40, 1, 8), (0, 2, 3, 2)),
+                     ((1, 40, 0, 8), (1, 40, 1, 8), (1, 40, 1, 8), (1, 0, 3, 2)),
+                     ((1, 0, 2, 8), (1, 40, 1, 8), (1, 40, 1, 8), (1, 2, 0, 2)),
+                     ((1, 40, 2, 8), (1, 40, 1, 8), (1, 40, 1, 0), (1, 2, 3, 2))),
+         "the empty output, on every engine (the triton engine declines Hv = 0)",
+         expect=lambda shapes: _eq(shapes, [(0, 40, 2, 8), (1, 40, 0, 8), (1, 0, 2, 8),
+                                            (1, 40, 2, 0)])),
+    Case("bsa", "bsa_from_mask(block_mask [B,N,Nq,0])",
+         lambda: cudnn_jax.bsa_from_mask(np.zeros((1, 2, 3, 0), bool)),
+         "block_index [B,N,Nq,0] and block_counts 0 (bsa then outputs 0, lse = -inf)",
+         expect=lambda r: _eq((r[0].shape, r[1].shape, int(np.sum(np.asarray(r[1])))),
+                              ((1, 2, 3, 0), (1, 2, 3), 0))),
+]
+
+CATALOGUE = SDPA + VARLEN + PAGED + KDA + GEMM + BSA
 
 
 def render():

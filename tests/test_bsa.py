@@ -2,14 +2,17 @@
 sdpa with the equivalent token-level mask."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
+from cudnn_jax import _metadata
 from mesh_cases import assert_no_collectives, mesh_or_skip
 from sdpa_oracle import oracle, oracle_vjp, rel_err_finite as rel_err
 
@@ -134,6 +137,57 @@ def test_bsa_explain_and_bad_inputs():
     call(q, k, v[:, :10], index, counts)
   with pytest.raises(TypeError, match="block_mask"):
     cudnn_jax.bsa_from_mask(jnp.zeros((1, 1, 2, 2), jnp.int32))
+
+
+def test_nothing_to_attend():
+  """Kmax = 0, Skv = 0, and no query, batch row or head: out 0, lse -inf, gradients 0."""
+  fn = functools.partial(cudnn_jax.bsa, block_size=16, return_lse=True, implementation="xla")
+  for b, sq, skv, n, width in ((1, 20, 20, 2, 0), (1, 20, 0, 2, 2), (1, 0, 20, 2, 2),
+                               (0, 20, 20, 2, 2), (1, 20, 20, 0, 2)):
+    q, k, v = (jnp.ones((b, s, heads, 8)) for s, heads in ((sq, n), (skv, 1), (skv, 1)))
+    index = jnp.zeros((b, n, -(-sq // 16), width), jnp.int32)
+    loss = lambda *a: jnp.sum(fn(*a, index)[0])
+    (out, lse), grads = jax.jit(lambda *a: (fn(*a, index), jax.grad(loss, (0, 1, 2))(*a)))(
+        q, k, v)
+    assert out.shape == q.shape and lse.shape == (b, n, sq)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    assert all(g.shape == x.shape and np.all(g == 0) for g, x in zip(grads, (q, k, v)))
+
+
+def _valid_metadata_call():
+  """A call whose metadata is valid: ``bsa_from_mask``'s lists (-1 past each count) and
+  kv block sizes up to the block size (the last block's cut at Skv)."""
+  q, k, v, _, _ = make_case(np.random.default_rng(6), b=1, sq=40, skv=40, n=2, k=1, h=8)
+  mask = np.random.default_rng(7).random((1, 2, 3, 3)) < 0.5
+  sizes = np.array([16, 3, 16], np.int32)
+  return lambda: cudnn_jax.bsa(q, k, v, *cudnn_jax.bsa_from_mask(jnp.asarray(mask)),
+                               block_size=16, kv_block_sizes=sizes, is_causal=True)
+
+
+def test_checkify_passes_valid_metadata():
+  err, _ = jax.jit(checkify.checkify(_valid_metadata_call(), errors=checkify.user_checks))()
+  assert err.get() is None
+
+
+def test_checkify_names_the_entry_under_vmap():
+  q, k, v, index, counts = make_case(np.random.default_rng(8), b=1, sq=40, skv=40, h=8)
+  counts = np.stack([counts, counts])
+  counts[1, 0, 1, 2] = 7  # Kmax = 4
+  fn = jax.vmap(functools.partial(cudnn_jax.bsa, q, k, v, index, block_size=16))
+  err, _ = jax.jit(checkify.checkify(fn, errors=checkify.user_checks))(counts)
+  assert re.search(r"block_counts\[0, 1, 2\] = 7: expected a count in \[0, 4\]", err.get())
+
+
+def _compiled_ops(fn):
+  text = jax.jit(fn).lower().compile().as_text()
+  return sorted(re.findall(r"= \S+ ([a-z][\w-]*)\(", text))
+
+
+def test_checks_cost_nothing_without_checkify(monkeypatch):
+  """The compiled program is the same, operation for operation, with the checks taken out."""
+  with_checks = _compiled_ops(_valid_metadata_call())
+  monkeypatch.setattr(_metadata, "check_entries", lambda *a, **k: None)
+  assert _compiled_ops(_valid_metadata_call()) == with_checks
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])

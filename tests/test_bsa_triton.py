@@ -110,18 +110,38 @@ def test_bfloat16_and_wide_values(interpreted):
     assert rel_err(g, want[name]) <= 2e-2, name
 
 
-@pytest.mark.parametrize("sq,skv,width", [(0, 70, 2), (70, 0, 2), (70, 70, 0)])
-def test_nothing_to_attend(sq, skv, width, interpreted):
-  """No query, no key or empty lists: out 0, lse -inf, gradients 0."""
+@pytest.mark.parametrize("b,sq,skv,n,width", [(1, 0, 70, 2, 2), (1, 70, 0, 2, 2),
+                                               (1, 70, 70, 2, 0), (0, 70, 70, 2, 2),
+                                               (1, 70, 70, 0, 2)])
+def test_nothing_to_attend(b, sq, skv, n, width, interpreted):
+  """No query, key, batch row or head, or empty lists: out 0, lse -inf, gradients 0."""
   del interpreted
-  q, k, v = (jnp.ones((1, s, heads, 64)) for s, heads in ((sq, 2), (skv, 1), (skv, 1)))
-  index = jnp.zeros((1, 2, -(-sq // 64), width), jnp.int32)
+  q, k, v = (jnp.ones((b, s, heads, 64)) for s, heads in ((sq, n), (skv, 1), (skv, 1)))
+  index = jnp.zeros((b, n, -(-sq // 64), width), jnp.int32)
   fn = functools.partial(cudnn_jax.bsa, block_size=64, return_lse=True,
                          implementation="triton")
   out, lse = fn(q, k, v, index)
   assert np.all(out == 0) and np.all(lse == -np.inf)
   grads = jax.grad(lambda *a: jnp.sum(fn(*a, index)[0]), argnums=(0, 1, 2))(q, k, v)
   assert all(np.all(g == 0) for g in grads)
+
+
+def test_invalid_metadata_as_on_xla(interpreted):
+  """Indices outside [0, Nkv), counts outside [0, Kmax] and kv block sizes outside
+  [0, block_size] get the xla engine's answer (the defined result, SPEC section 8)."""
+  del interpreted
+  rng = np.random.default_rng(9)
+  args, _, _ = sized_case(rng, 64, sq=130, skv=130, n=2, k=1, kmax=3)
+  index, counts = args[3], rng.integers(-3, 7, args[4].shape).astype(np.int32)
+  index[0, :, :, 0] = [[-5, 3, 1 << 30], [9, -(1 << 30), -1]]
+  sizes = np.array([-4, 80, 40], np.int32)
+  fn = lambda engine: jax.jit(functools.partial(
+      cudnn_jax.bsa, block_size=64, is_causal=True, return_lse=True,
+      implementation=engine))(*args[:3], index, counts, kv_block_sizes=sizes)
+  (out, lse), (want_out, want_lse) = fn("triton"), fn("xla")
+  assert np.any(lse == -np.inf) and np.any(np.isfinite(lse))
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_block_lists_match_numpy():

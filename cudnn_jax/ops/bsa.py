@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, engines
+from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.primitives import core
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -70,8 +70,12 @@ def _prepare(query, key, value, block_index, block_counts=None, *, block_size=12
   if vs[:3] != (b, skv, k):
     raise ValueError(f"value: expected [B,Skv,K,Hv] with key's B, Skv, K {(b, skv, k)}, "
                      f"got {vs}")
-  if n % k:
-    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k}")
+  if k < 1 or n % k:
+    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k} "
+                     "(K >= 1)")
+  if h < 1:
+    raise ValueError(f"query: head dim H must be >= 1 (the logits' scale is 1/sqrt(H)), got "
+                     f"shape {tuple(query.shape)}")
   bs = _checks.one_of("block_size", block_size, BLOCK_SIZES)
   nq, nkv = -(-sq // bs), -(-skv // bs)
 
@@ -86,6 +90,7 @@ def _prepare(query, key, value, block_index, block_counts=None, *, block_size=12
   else:
     _checks.int_dtype("block_counts", block_counts)
     _checks.expect_shape("block_counts", block_counts, (b, n, nq))
+    block_counts = _metadata.clamp_lengths(block_counts, kmax)
   full = jnp.minimum(bs, skv - bs * jnp.arange(nkv, dtype=jnp.int32))  # the last block is cut
   if kv_block_sizes is None:
     kv_block_sizes = full
@@ -110,6 +115,24 @@ def _prepare(query, key, value, block_index, block_counts=None, *, block_size=12
   return call, inputs
 
 
+def _check(call: BsaCall, block_index, block_counts, kv_block_sizes):
+  """The metadata checks (the caller's arrays, shapes validated), under ``checkify`` only:
+  counts in ``[0, Kmax]``, the indices they read in ``[0, Nkv)``, block sizes in
+  ``[0, block_size]``."""
+  nkv = -(-call.skv // call.block_size)
+  read = None
+  if block_counts is not None:
+    counts = jnp.asarray(block_counts)
+    _metadata.check_entries("block_counts", counts, (counts < 0) | (counts > call.kmax),
+                            f"expected a count in [0, {call.kmax}] (Kmax)")
+    read = jnp.arange(call.kmax) < _metadata.clamp_lengths(counts, call.kmax)[..., None]
+  _metadata.check_indices("block_index", block_index, nkv, read)
+  if kv_block_sizes is not None:
+    sizes = jnp.asarray(kv_block_sizes)
+    _metadata.check_entries("kv_block_sizes", sizes, (sizes < 0) | (sizes > call.block_size),
+                            f"expected a size in [0, {call.block_size}] (block_size)")
+
+
 def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
         kv_block_sizes=None, scale=None, is_causal=False, return_lse=False,
         implementation=None):
@@ -119,11 +142,18 @@ def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
   block m holds rows ``m*block_size ...`` (``Nq = ceil(Sq/block_size)``, likewise ``Nkv``
   for keys); it attends to the kv blocks ``block_index[b, n, m, :block_counts[b, n, m]]``
   (``block_index [B,N,Nq,Kmax]`` int32; ``block_counts [B,N,Nq]`` int32, None = all Kmax;
-  entries < 0 or >= Nkv are skipped; indices are assumed unique). ``kv_block_sizes``
-  (``[Nkv]``, ``[B,Nkv]`` or ``[B,K,Nkv]`` int32) counts the valid tokens of each kv block
-  (None = full blocks, the last cut at Skv). ``is_causal`` also keeps only ``u <= t``.
-  Logits ``scale * q.k`` (scale defaults to ``1/sqrt(H)``), softmax over the kept keys; a
-  row with none outputs 0 (lse -inf).
+  indices are assumed unique). ``kv_block_sizes`` (``[Nkv]``, ``[B,Nkv]`` or ``[B,K,Nkv]``
+  int32) counts the valid tokens of each kv block (None = full blocks, the last cut at
+  Skv). ``is_causal`` also keeps only ``u <= t``. Logits ``scale * q.k`` (scale defaults
+  to ``1/sqrt(H)``), softmax over the kept keys; a row with none outputs 0 (lse -inf), as
+  does every row when Kmax = 0 or Skv = 0.
+
+  Invalid metadata has a defined result, the same on every engine: an index outside
+  ``[0, Nkv)`` selects nothing (it is skipped, never clipped onto another block), counts
+  are clamped to ``[0, Kmax]`` and block sizes to ``[0, block_size]`` (the last block also
+  cut at Skv). Under ``jax.experimental.checkify.checkify`` (user checks) each of those
+  raises an error naming the argument and the entry (indices past a row's count are never
+  read, nor checked); without checkify the checks cost nothing.
 
   Returns ``out [B,Sq,N,Hv]`` in the input dtype and, with ``return_lse=True``, also
   ``lse [B,N,Sq]`` float32. Differentiable in query, key and value.
@@ -137,6 +167,7 @@ def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
   call, inputs = _prepare(query, key, value, block_index, block_counts, block_size=block_size,
                           kv_block_sizes=kv_block_sizes, scale=scale, is_causal=is_causal,
                           return_lse=return_lse)
+  _check(call, block_index, block_counts, kv_block_sizes)  # under checkify
   engine = engines.choose("bsa", call, implementation)
   out, lse = _per_shard((engine.name, call), *inputs)
   return (out, lse) if call.return_lse else out

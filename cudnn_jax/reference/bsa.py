@@ -42,8 +42,10 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
         is_causal):
   """Returns ``(out [B,Sq,N,Hv], lse [B,N,Sq] float32)``.
 
-  ``block_index [B,N,Nq,Kmax]`` int32, ``block_counts [B,N,Nq]`` int32,
-  ``kv_block_sizes [B,K,Nkv]`` int32 (valid tokens of each kv block); validated shapes.
+  ``block_index [B,N,Nq,Kmax]`` int32 (an entry past the row's count or outside
+  ``[0, Nkv)`` selects nothing), ``block_counts [B,N,Nq]`` int32, ``kv_block_sizes
+  [B,K,Nkv]`` int32 (valid tokens of each kv block, clamped by the caller); validated shapes.
+  Kmax may be 0 (every row outputs 0, lse -inf).
   """
   b, sq, n, h = query.shape
   skv, k, hv = key.shape[1], key.shape[2], value.shape[3]
@@ -73,7 +75,7 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
   logits = jnp.einsum("bnmqh,bnmjkh->bnmqjk", qb, k_sel, precision=prec,
                       preferred_element_type=jnp.float32) * jnp.float32(scale)
   logits = jnp.where(keep, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=(-2, -1), keepdims=True)
+  row_max = jnp.max(logits, axis=(-2, -1), keepdims=True, initial=-jnp.inf)  # Kmax may be 0
   row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   p = jnp.exp(logits - row_max)
   denom = jnp.sum(p, axis=(-2, -1), keepdims=True)

@@ -132,7 +132,8 @@ def bsa(query, key, value, block_index, block_counts, kv_block_sizes, *, block_s
   must pass ``supports``."""
   b, sq, n = query.shape[:3]
   skv = key.shape[1]
-  if not (sq and skv and block_index.shape[3]):  # no kernel to run: no row keeps a key
+  # No row keeps a key, or no row at all: no kernel to run (nor an empty grid to launch).
+  if not (b and n and sq and skv and block_index.shape[3]):
     return (jnp.zeros((b, sq, n, value.shape[3]), query.dtype),
             jnp.full((b, n, sq), -jnp.inf, jnp.float32))
   bs = block_size
