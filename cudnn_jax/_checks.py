@@ -7,6 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# The dtypes an op accepts when its xla engine takes float64 too (as jax.nn does under
+# x64); the GPU engines decline float64 with a reason.
+XLA_FLOAT_DTYPES = FLOAT_DTYPES + (jnp.float64,)
 
 
 def shape_of(name, x, rank=None):
@@ -45,6 +48,25 @@ def broadcastable(name, x, target):
       d in (1, e) for d, e in zip(shape[::-1], target[::-1]))
   if not ok:
     raise ValueError(f"{name}: shape {shape} does not broadcast to {tuple(target)}")
+
+
+def real_scalar(name, value):
+  """A static real number (``scale``): a Python, NumPy or concrete JAX scalar, as a float."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name}: expected a real number, got {value!r}")
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name}: expected a concrete real number (it is static), got a traced "
+                    f"value; pass a Python or NumPy number")
+  shape = getattr(value, "shape", ())
+  dtype = getattr(value, "dtype", None)
+  if shape != () or (dtype is not None and not (jnp.issubdtype(dtype, jnp.floating)
+                                                or jnp.issubdtype(dtype, jnp.integer))):
+    raise TypeError(f"{name}: expected a real scalar, got {type(value).__name__}"
+                    + (f" of shape {tuple(shape)} and dtype {dtype}" if dtype is not None else ""))
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
 
 
 def static_int(name, value, *, minimum=None):

@@ -300,7 +300,7 @@ BAD_INPUTS = [
     ("window_triple", dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
     ("window_float", dict(local_window_size=(1.5, 2)), TypeError, "local_window_size"),
     ("softcap", dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
-    ("scale_array", dict(scale=jnp.ones(())), TypeError, "scale"),
+    ("scale_array", dict(scale=jnp.ones((2,))), TypeError, "scale"),
     ("implementation", dict(implementation="pallas"), ValueError, "implementation"),
 ]
 

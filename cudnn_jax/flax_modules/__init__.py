@@ -25,24 +25,30 @@ def _flat_batch(x, batch, tail):
   return x.reshape((-1,) + x.shape[len(batch):])
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
-                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                          precision=None, module=None):
-  """flax's ``attention_fn`` on ``cudnn_jax.sdpa``: ``query [batch..., T, N, H]``,
-  ``key [batch..., S, K, H]``, ``value [batch..., S, K, Hv]``; ``bias`` and ``mask``
-  (nonzero keeps) broadcast to ``[batch..., N, T, S]``. Returns ``[batch..., T, N, Hv]``.
+def fused_attention(query, key, value, bias=None, mask=None, *, dropout_rng=None,
+                    dropout_rate=0.0, deterministic=False, is_causal=False, module=None,
+                    **unsupported):
+  """The math behind linen's and nnx's ``attention_fn`` here, on promoted inputs:
+  ``query [batch..., T, N, H]``, ``key [batch..., S, K, H]``, ``value [batch..., S, K, Hv]``;
+  ``bias`` and ``mask`` (nonzero keeps) broadcast to ``[batch..., N, T, S]``.
 
-  ``dtype`` casts the inputs. Dropout (when not ``deterministic``) is sdpa's, with a mask
-  per batch element and head whatever ``broadcast_dropout`` says. ``precision`` and
-  ``module`` are not used: the attention weights are never formed, so none are sown.
+  ``unsupported``: arguments that would change the math and that a fused kernel cannot
+  honour; any that is set raises ``cudnn_jax.UnsupportedError`` saying why.
   """
-  del broadcast_dropout, precision, module
+  if module is not None:
+    raise cudnn_jax.UnsupportedError(
+        "module: sowing the attention weights is not supported: the fused attention never "
+        "forms them; use flax's own dot_product_attention to inspect them")
+  for name, value_ in unsupported.items():
+    if value_ is not None:
+      raise cudnn_jax.UnsupportedError(
+          f"{name}: custom einsums (e.g. quantized ones) cannot run inside the fused "
+          "attention; use flax's own dot_product_attention with them")
   if mask is not None:
-    mask = mask.astype(jnp.bool_)  # flax masks may be 0/1 floats
-  if dtype is not None:
-    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    mask = jnp.asarray(mask).astype(jnp.bool_)  # flax masks may be 0/1 floats
   rate = 0.0 if deterministic else float(dropout_rate)
-  kwargs = dict(dropout_rate=rate, dropout_rng=dropout_rng if rate > 0 else None)
+  kwargs = dict(dropout_rate=rate, dropout_rng=dropout_rng if rate > 0 else None,
+                is_causal=bool(is_causal))
   if query.ndim <= 4:
     return cudnn_jax.sdpa(query, key, value, bias, mask, **kwargs)
   batch = query.shape[:-3]
@@ -50,6 +56,38 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   bias, mask = (None if x is None else _flat_batch(x, batch, 3) for x in (bias, mask))
   out = cudnn_jax.sdpa(q, k, v, bias, mask, **kwargs)
   return out.reshape(batch + out.shape[1:])
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, force_fp32_for_softmax=False,
+                          einsum_dot_general=None, qk_attn_weights_einsum=None,
+                          attn_weights_value_einsum=None, is_causal=False):
+  """flax.linen's ``attention_fn`` on ``cudnn_jax.sdpa``: ``query [batch..., T, N, H]``,
+  ``key [batch..., S, K, H]``, ``value [batch..., S, K, Hv]``; ``bias`` and ``mask``
+  (nonzero keeps) broadcast to ``[batch..., N, T, S]``. Returns ``[batch..., T, N, Hv]``.
+
+  As in flax, query, key and value are promoted to one dtype (``dtype`` when given; float64
+  included). Differences, each on purpose:
+  - the softmax is always computed in float32, so ``force_fp32_for_softmax`` is accepted
+    and changes nothing; ``precision`` is not needed: float32 products are exact float32
+    (``Precision.HIGHEST``), narrower inputs accumulate in float32;
+  - ``einsum_dot_general``, ``qk_attn_weights_einsum`` and ``attn_weights_value_einsum``
+    (custom, e.g. quantized, einsums) and ``module`` (sowing the attention weights) raise
+    ``cudnn_jax.UnsupportedError``: the fused attention never forms the weights;
+  - dropout (when not ``deterministic``) is sdpa's, with a mask per batch element and head
+    whatever ``broadcast_dropout`` says;
+  - a query row whose keys are all masked outputs 0 (flax: the mean of the values).
+  ``is_causal`` (not in linen's signature) adds sdpa's causal mask.
+  """
+  del broadcast_dropout, precision, force_fp32_for_softmax
+  query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+  return fused_attention(query, key, value, bias, mask, dropout_rng=dropout_rng,
+                         dropout_rate=dropout_rate, deterministic=deterministic,
+                         is_causal=is_causal, module=module,
+                         einsum_dot_general=einsum_dot_general,
+                         qk_attn_weights_einsum=qk_attn_weights_einsum,
+                         attn_weights_value_einsum=attn_weights_value_einsum)
 
 
 # The layers' math on projected arrays, shared by the linen classes below and ``nnx``.

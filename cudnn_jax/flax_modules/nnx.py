@@ -7,13 +7,32 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 
 from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, cached_attention,
-                                    causal_block, dot_product_attention, kimi_delta, mixture,
+                                    causal_block, fused_attention, kimi_delta, mixture,
                                     paged_cache, self_attention)
 
 __all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP",
            "CausalConv3dBlock"]
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, promote_dtype=dtypes.promote_dtype,
+                          is_causal=False):
+  """flax.nnx's ``attention_fn`` on ``cudnn_jax.sdpa``, for
+  ``nnx.MultiHeadAttention(..., attention_fn=dot_product_attention)``: nnx's signature,
+  shapes and masks (see the linen ``cudnn_jax.flax_modules.dot_product_attention`` for the
+  differences). ``promote_dtype`` promotes query, key and value as nnx does (``dtype``
+  when given); ``is_causal`` is sdpa's causal mask (top-left, as nnx's); ``module`` (sowing
+  the attention weights) raises ``cudnn_jax.UnsupportedError``.
+  """
+  del broadcast_dropout, precision
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  return fused_attention(query, key, value, bias, mask, dropout_rng=dropout_rng,
+                         dropout_rate=dropout_rate, deterministic=deterministic,
+                         is_causal=is_causal, module=module)
 
 
 class MultiHeadAttention(nnx.Module):

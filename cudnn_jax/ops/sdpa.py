@@ -79,11 +79,14 @@ def _window(local_window_size):
 
 def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-            implementation=None, causal_alignment="top_left", logits_soft_cap=None,
-            sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
-            dropout_rng=None, return_lse=False, context_parallel_axis=None,
+            implementation=None, return_residual=False, causal_alignment="top_left",
+            logits_soft_cap=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+            dropout_rate=0.0, dropout_rng=None, return_lse=False, context_parallel_axis=None,
             context_parallel_strategy="all_gather"):
-  """Validates the user's arguments into (SdpaCall, SdpaInputs)."""
+  """Validates the user's arguments into (SdpaCall, SdpaInputs).
+
+  ``return_lse`` of the call is set when either statistic is asked for: jax.nn's residual
+  is the lse, transposed and cast."""
   del implementation
   qs = _checks.shape_of("query", query, (3, 4))
   unbatched = len(qs) == 3
@@ -91,7 +94,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
   ks = _checks.shape_of("key", key, rank)
   vs = _checks.shape_of("value", value, rank)
   for name, x in (("query", query), ("key", key), ("value", value)):
-    _checks.float_dtype(name, x)
+    _checks.float_dtype(name, x, _checks.XLA_FLOAT_DTYPES)
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError("query, key, value: expected one dtype, got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
@@ -125,7 +128,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
 
   if bias is not None:
     _checks.shape_of("bias", bias)
-    _checks.float_dtype("bias", bias)
+    _checks.float_dtype("bias", bias, _checks.XLA_FLOAT_DTYPES)
     bias = as4d("bias", bias)
   if mask is not None:
     _checks.shape_of("mask", mask)
@@ -158,10 +161,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     _checks.float_dtype("sinks", sinks, (jnp.float32,))
     _checks.expect_shape("sinks", sinks, (n,))
 
-  if scale is None:
-    scale = 1.0 / math.sqrt(h)
-  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-    raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+  scale = 1.0 / math.sqrt(h) if scale is None else _checks.real_scalar("scale", scale)
   _checks.one_of("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
   if logits_soft_cap is not None:
     if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
@@ -193,7 +193,9 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
       has_kv_lengths=key_value_seq_lengths is not None,
       has_segments=q_segment_ids is not None, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, dropout_rate=float(dropout_rate),
-      return_lse=_checks.flag("return_lse", return_lse), unbatched=unbatched,
+      return_lse=(_checks.flag("return_lse", return_lse)
+                  | _checks.flag("return_residual", return_residual)),
+      unbatched=unbatched,
       context_parallel=None if context_parallel_axis is None else (
           context_parallel_axis, context_parallel_strategy,
           sdpa_context_parallel.mesh_size(context_parallel_axis, query)))
@@ -206,27 +208,35 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
 
 def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-         implementation=None, causal_alignment="top_left", logits_soft_cap=None,
-         sinks=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
-         dropout_rng=None, return_lse=False, context_parallel_axis=None,
+         implementation=None, return_residual=False, causal_alignment="top_left",
+         logits_soft_cap=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+         dropout_rate=0.0, dropout_rng=None, return_lse=False, context_parallel_axis=None,
          context_parallel_strategy="all_gather"):
   """Scaled dot-product attention.
 
   ``query [B,T,N,H]``, ``key [B,S,K,H]``, ``value [B,S,K,Hv]`` (or unbatched ``[T,N,H]``
   ...), ``N % K == 0``: query head n reads kv head ``n // (N // K)``. Logits
   ``scale * q.k`` (scale defaults to ``1/sqrt(H)``), plus ``bias`` (broadcast to
-  ``[B,N,T,S]``), then soft-capped ``c * tanh(s / c)``. Masks combine with AND and exclude
+  ``[B,N,T,S]``), then soft-capped ``c * tanh(s / c)``; ``scale`` is any real scalar
+  (Python, NumPy, or a concrete JAX one). Masks combine with AND and exclude
   logits: ``mask`` (True keeps), ``is_causal`` (``u <= t``, or ``u <= t + S_b - T_b`` with
   ``causal_alignment="bottom_right"``), ``local_window_size`` ``(left, right)`` or ``w``
   (keep ``t - left <= u <= t + right``, shifted alike), valid lengths ``query_seq_lengths``
   / ``key_value_seq_lengths`` ``[B]``, and packed-sequence ``q_segment_ids [B,T]`` /
   ``kv_segment_ids [B,S]`` (keep equal ids). ``sinks [N]`` joins each row's softmax
   denominator. A row with no kept key, or past its valid length, outputs 0 (lse -inf, or
-  the sink logit). ``dropout_rate`` drops probabilities (inverted), keyed by
-  ``dropout_rng``.
+  the sink logit); jax.nn's xla path gives such a row the mean of the values instead (the
+  one difference from it). Masked logits are excluded by selection, never filled with
+  -inf, so ``jax.debug_infs(True)`` stays quiet. ``dropout_rate`` drops probabilities
+  (inverted), keyed by ``dropout_rng``.
 
-  Returns ``out [B,T,N,Hv]`` in the input dtype, and with ``return_lse=True`` also
-  ``lse [B,N,T]`` float32 (natural log of the softmax denominator).
+  dtypes: bfloat16, float16, float32; float64 too (as jax.nn under x64) on the xla engine,
+  computed in float32 as jax.nn does (the GPU engines decline it).
+
+  Returns ``out [B,T,N,Hv]`` in the input dtype; with ``return_residual=True``
+  ``(out, residual)``, jax.nn's residual: the lse ``[B,T,N]`` in the input dtype, without
+  gradient; with ``return_lse=True`` ``(out, lse)``, ``lse [B,N,T]`` float32 (natural log
+  of the softmax denominator, differentiable); with both ``(out, residual, lse)``.
 
   ``context_parallel_axis``: the name of a mesh axis (of ``jax.set_mesh``'s mesh, or the
   inputs' explicit sharding) along which query, key and value are sharded by sequence;
@@ -246,7 +256,8 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
   call, inputs = prepare(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, causal_alignment=causal_alignment,
+      local_window_size=local_window_size, return_residual=return_residual,
+      causal_alignment=causal_alignment,
       logits_soft_cap=logits_soft_cap, sinks=sinks, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_lse=return_lse, context_parallel_axis=context_parallel_axis,
@@ -256,16 +267,23 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
     if x is not None:
       _metadata.check_lengths(name, x, size)
   if context_parallel_axis is not None:
-    return sdpa_context_parallel.sdpa_context_parallel(
+    result = sdpa_context_parallel.sdpa_context_parallel(
         sdpa, query, key, value, axis=context_parallel_axis,
         strategy=context_parallel_strategy, is_causal=call.is_causal, window=call.window,
-        sinks=sinks, return_lse=return_lse, scale=call.scale,
+        sinks=sinks, return_lse=call.return_lse, scale=call.scale,
         logits_soft_cap=call.logits_soft_cap, implementation=implementation)
-  out, lse = engines.dispatch("sdpa", implementation, call, inputs)
-  if call.unbatched:
-    out = out[0]
-    lse = None if lse is None else lse[0]
-  return (out, lse) if call.return_lse else out
+    out, lse = result if call.return_lse else (result, None)
+  else:
+    out, lse = engines.dispatch("sdpa", implementation, call, inputs)
+    if call.unbatched:
+      out = out[0]
+      lse = None if lse is None else lse[0]
+  results = (out,)
+  if return_residual:  # jax.nn's: [..., T, N] in the input dtype, no gradient
+    results += (jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype)),)
+  if return_lse:
+    results += (lse,)
+  return results if len(results) > 1 else out
 
 
 # Above this many logits a call of the xla engine runs block by block (cudnn_jax/xla/sdpa.py:
@@ -273,17 +291,22 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False
 BLOCKWISE_ABOVE = 1 << 24
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _run_xla(call: SdpaCall, x: SdpaInputs):
+  """One jitted program per call (also when called eagerly), returning the lse only when
+  asked for: rows with no kept key have lse -inf, which then never reaches the caller
+  (nor ``jax.debug_infs``) unless requested."""
   from cudnn_jax.reference import sdpa as ref  # pylint: disable=g-import-not-at-top
   from cudnn_jax.xla import sdpa as blockwise  # pylint: disable=g-import-not-at-top
   whole = call.b * call.n * call.t * call.s <= BLOCKWISE_ABOVE
-  return (ref.sdpa if whole else blockwise.sdpa)(
+  out, lse = (ref.sdpa if whole else blockwise.sdpa)(
       x.query, x.key, x.value, x.bias, x.mask, scale=call.scale, is_causal=call.is_causal,
       bottom_right=call.bottom_right, window=call.window,
       query_seq_lengths=x.query_seq_lengths, key_value_seq_lengths=x.key_value_seq_lengths,
       q_segment_ids=x.q_segment_ids, kv_segment_ids=x.kv_segment_ids,
       logits_soft_cap=call.logits_soft_cap, sinks=x.sinks, dropout_rate=call.dropout_rate,
       dropout_rng=x.dropout_rng)
+  return out, (lse if call.return_lse else None)
 
 
 def _explained(call: SdpaCall):

@@ -1,8 +1,12 @@
 """The ``xla`` engine for scaled dot-product attention, in plain JAX.
 
 Shapes: query [B,T,N,H], key [B,S,K,H], value [B,S,K,Hv], N % K == 0. Logits and the
-softmax are computed in float32; masked logits are excluded (not penalized), and a query
-row with no kept key outputs 0 with lse = -inf (or the sink logit when ``sinks`` is given).
+softmax are computed in float32 (float64 inputs too, as jax.nn does); masked logits are
+excluded (not penalized), and a query row with no kept key outputs 0 with lse = -inf (or
+the sink logit when ``sinks`` is given). Exclusion selects, it never fills with -inf: a
+row's max is taken over its kept logits and the excluded ones get probability 0 by a
+select, so no inf is formed unless a row has no kept key (its lse), and
+``jax.debug_infs(True)`` stays quiet on masked calls.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import jax.numpy as jnp
 from cudnn_jax.reference import matmul_precision
 
 _NEG_INF = -jnp.inf
+# The row max of a row with no kept logit: finite, so nothing overflows; half the float32
+# range, so that differences with it stay finite too.
+LOWEST = -0.5 * float(jnp.finfo(jnp.float32).max)
 
 
 def band_keep(t_idx, u_idx, q_len, kv_len, *, is_causal, bottom_right, window):
@@ -68,15 +75,16 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
     keep = keep & mask
   if q_segment_ids is not None:
     keep = keep & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-  logits = jnp.where(keep, logits, _NEG_INF)
 
-  row_max = jnp.max(logits, axis=-1, keepdims=True, initial=_NEG_INF)  # S = 0: no keys
+  # At least LOWEST: S = 0, no kept key, or kept logits all -inf (from a bias).
+  row_max = jnp.maximum(jnp.max(jnp.where(keep, logits, LOWEST), axis=-1, keepdims=True,
+                                initial=LOWEST), LOWEST)
   if sinks is not None:
     sink = sinks.astype(jnp.float32)[None, :, None, None]
     row_max = jnp.maximum(row_max, sink)
   # The max only stabilizes exp; it cancels in the result, so keep it out of autodiff.
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.exp(logits - row_max)
+  row_max = jax.lax.stop_gradient(row_max)
+  p = jnp.where(keep, jnp.exp(jnp.where(keep, logits - row_max, 0.0)), 0.0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   if sinks is not None:
     denom = denom + jnp.exp(sink - row_max)

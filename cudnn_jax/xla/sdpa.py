@@ -129,11 +129,11 @@ def _forward(o: _Options, x: _Arrays):
     def key_block(carry, j):
       m, l, acc = carry
       s = _logits(o, q, _block(x.k, 1, j, bk), _block(_block(x.bias, 2, i, bq), 3, j, bk))
-      s = jnp.where(_keep(o, x, i, j, bq, bk), s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-      shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-      alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, shift) - shift)
-      p = jnp.exp(s - shift[..., None])
+      keep = _keep(o, x, i, j, bq, bk)
+      # Excluded logits are selected out, never filled with -inf (see reference/sdpa.py).
+      m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, ref.LOWEST), axis=-1))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.where(keep, jnp.exp(jnp.where(keep, s - m_new[..., None], 0.0)), 0.0)
       l = l * alpha + jnp.sum(p, axis=-1)
       p = _dropped(o, x, i, j, p)
       acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + _pv(p, _block(x.v, 1, j, bk))
@@ -144,7 +144,7 @@ def _forward(o: _Options, x: _Arrays):
       m0 = jnp.broadcast_to(x.sinks.astype(jnp.float32)[None, :, None], (b, n, bq))
       l0 = jnp.ones((b, n, bq), jnp.float32)
     else:
-      m0, l0 = jnp.full((b, n, bq), -jnp.inf), jnp.zeros((b, n, bq), jnp.float32)
+      m0, l0 = jnp.full((b, n, bq), ref.LOWEST), jnp.zeros((b, n, bq), jnp.float32)
     acc0 = jnp.zeros((b, bq, n, hv), jnp.float32)
     (m, l, acc), _ = jax.lax.scan(key_block, (m0, l0, acc0), jnp.arange(nk))
     rows = (i * bq + jnp.arange(bq))[None, None, :] < x.q_len[:, None, None]
@@ -190,8 +190,8 @@ def _attention_bwd(o, res, cts):
       f32 = lambda a: None if a is None else a.astype(jnp.float32)
       s, pull = jax.vjp(lambda q, k, bias: _logits(o, q, k, bias), f32(q), f32(k), f32(bias))
       keep = _keep(o, x, i, j, bq, bk)
-      p = jnp.where(keep, jnp.exp(s - jnp.where(jnp.isfinite(lse_i), lse_i, 0.0)[..., None]),
-                    0.0)
+      shifted = s - jnp.where(jnp.isfinite(lse_i), lse_i, 0.0)[..., None]
+      p = jnp.where(keep, jnp.exp(jnp.where(keep, shifted, 0.0)), 0.0)
       dv_j = _pv_transposed(_dropped(o, x, i, j, p), do, v.shape[2])
       dp = _dropped(o, x, i, j, _dp(do, v))
       dq_j, dk_j, dbias_j = pull(p * (dp - delta_i[..., None]))
@@ -210,7 +210,9 @@ def _attention_bwd(o, res, cts):
   dq = jnp.moveaxis(dq, 0, 1).reshape(x.q.shape)
   dsinks = None
   if x.sinks is not None:  # a sink's probability in row t: exp(sink - lse_t)
-    p_sink = jnp.where(jnp.isfinite(lse), jnp.exp(x.sinks[None, :, None] - lse), 0.0)
+    finite = jnp.isfinite(lse)
+    p_sink = jnp.where(finite, jnp.exp(jnp.where(finite, x.sinks[None, :, None] - lse, 0.0)),
+                       0.0)
     dsinks = -jnp.sum(p_sink * delta, axis=(0, 2))
   cast = lambda g, a: None if a is None else g.astype(a.dtype)
   return (x._replace(q=cast(dq, x.q), k=cast(dk, x.k), v=cast(dv, x.v),
