@@ -169,3 +169,38 @@ def device_ms(fn, args, calls=3):
   """Milliseconds of device work per call of ``fn(*args)`` (jitted), by the profiler: what
   CUDA events around the call would measure, without host dispatch gaps."""
   return sum(ms for _, _, ms in device_events(fn, args, calls)) / calls
+
+
+def bar_chart(path, title, groups, series, ylabel, anchors=()):
+  """Writes a PNG of grouped bars: one group per label in ``groups``, one bar per name in
+  ``series`` ({name: [value or None per group]}) that has a value there; names in
+  ``anchors`` (the baselines measured in the same run) are hatched, so ours and the
+  anchor stand side by side. Returns ``path``."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = list(series)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  color = {n: colors[i % len(colors)] for i, n in enumerate(names)}
+  bars = max([sum(series[n][g] is not None for n in names) for g in range(len(groups))] + [1])
+  fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.3 * len(groups) * bars + 2)), 4.5))
+  labelled = set()
+  for g in range(len(groups)):
+    present = [n for n in names if series[n][g] is not None]
+    width = 0.8 / max(len(present), 1)
+    for i, n in enumerate(present):
+      ax.bar(g + (i - (len(present) - 1) / 2) * width, series[n][g], width=width,
+             color=color[n], hatch="//" if n in anchors else None, edgecolor="black",
+             linewidth=0.5, label=None if n in labelled else n)
+      labelled.add(n)
+  ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 3 else 0,
+                ha="right" if len(groups) > 3 else "center", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(True, axis="y", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

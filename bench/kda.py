@@ -24,7 +24,8 @@ every kernel is seen. With --intra: instead of the table, the forward's intra-ch
 alone at B=8 T=4096 (device time): XLA's (the reference) against the Pallas kernel
 (cudnn_jax/triton/kda_intra.py) by warps, K block and span limit. With --scan: the state
 scan kernels (cudnn_jax/triton/kda_scan.py) alone by tiling, at --shapes.
-Writes DIR/<op>_<engines>.json (DIR defaults to bench/results).
+Writes DIR/<op>_<engines>.json and .png (ms per shape and pass, each engine beside FLA when
+FLA ran; DIR defaults to bench/results).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import (device_ms, error_text, load_torch, profile_scopes, rel_diff,
+from harness import (bar_chart, device_ms, error_text, load_torch, profile_scopes, rel_diff,
                      time_back_to_back, time_calls, torch_time_ms, write_results)
 
 WARMUP = 3
@@ -349,7 +350,25 @@ def main():
   path = write_results(args.out, OP + "_" + "_".join(engines), rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
                        engines=engines)
-  print(f"{elapsed:.0f} s; wrote {path}")
+  png = plot(rows, path[:-len(".json")] + ".png",
+             f"{OP}, {jax.devices()[0].device_kind}")
+  print(f"{elapsed:.0f} s; wrote {path} and {png}")
+
+
+def plot(rows, path, title):
+  """Milliseconds (back to back where measured) per shape and pass: each engine, and FLA's
+  chunk function (the anchor, hatched) where it ran."""
+  label = lambda r: f"B{r['b']} T{r['t']} {'fwd+bwd' if r['backward'] else 'fwd'}"
+  groups = list(dict.fromkeys(label(r) for r in rows))
+  series = {}
+  for r in rows:
+    ms = r.get("ms_b2b") or r.get("ms")
+    series.setdefault(f"cudnn_jax {r['engine']}", {})[label(r)] = ms
+    if r.get("fla_ms"):
+      series.setdefault("FLA", {})[label(r)] = r.get("fla_ms_b2b") or r["fla_ms"]
+  series = {name: [v.get(g) for g in groups] for name, v in series.items()}
+  return bar_chart(path, title, groups, series, "ms per call (lower is better)",
+                   anchors=["FLA"])
 
 
 if __name__ == "__main__":

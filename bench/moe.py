@@ -20,7 +20,8 @@ latency (about 0.1 ms, which is 10% of a 1 ms GEMM); only for calls under 10 ms.
 With --device-time, also "dev": the profiler's device time of a call (the sum of its kernels'
 durations: what CUDA events around the call measure), for calls under 10 ms.
 With --quick: tiny shapes (float32 on CPU), a smoke test.
-Writes DIR/moe.json (DIR defaults to bench/results).
+Writes DIR/moe.json and DIR/moe.png (TFLOP/s per case, each engine beside the XLA anchors;
+DIR defaults to bench/results).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import device_ms, error_text, rel_diff, time_back_to_back, time_calls, write_results
+from harness import (bar_chart, device_ms, error_text, rel_diff, time_back_to_back, time_calls,
+                     write_results)
 from cudnn_jax.ops.gemm import gemm, grouped_gemm
 from cudnn_jax.ops.moe import moe_mlp
 
@@ -209,6 +211,17 @@ def print_row(r):
   print(line + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
 
 
+def plot(rows, path, title):
+  """TFLOP/s (back to back where measured) per case and engine; the engines that are not
+  ours (XLA's ragged_dot, dense matmuls, the unfused layer) are the hatched anchors."""
+  cases = list(dict.fromkeys(r["case"] for r in rows))
+  engines = list(dict.fromkeys(r["engine"] for r in rows))
+  value = {(r["case"], r["engine"]): r.get("tflops_b2b") or r.get("tflops") for r in rows}
+  series = {e: [value.get((c, e)) for c in cases] for e in engines}
+  return bar_chart(path, title, cases, series, "TFLOP/s (higher is better)",
+                   anchors=[e for e in engines if not e.startswith("cudnn_jax")])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
@@ -234,7 +247,9 @@ def main():
   elapsed = time.perf_counter() - start
   path = write_results(args.out, "moe", rows, quick=args.quick, dtype=jnp.dtype(dtype).name,
                        seconds=elapsed, warmup=WARMUP, calls=CALLS)
-  print(f"{elapsed:.0f} s; wrote {path}")
+  png = plot(rows, os.path.join(args.out, "moe.png"),
+             f"moe, {jnp.dtype(dtype).name}, {jax.devices()[0].device_kind}")
+  print(f"{elapsed:.0f} s; wrote {path} and {png}")
 
 
 if __name__ == "__main__":

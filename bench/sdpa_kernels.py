@@ -8,7 +8,8 @@ the GPU, torch's cuDNN attention on the same buffers, each from its own profiler
 call, kernel name); the per-call time of 10 calls chained in one jitted function as
 straight-line code and as a fori_loop. Also the cuDNN libraries this process loaded and
 the execution plans cudnn_jax chose, so a difference in speed can be traced to a kernel,
-a plan, a library or the launches between kernels. Writes DIR/sdpa_kernels.json.
+a plan, a library or the launches between kernels. Writes DIR/sdpa_kernels.json and
+DIR/sdpa_kernels.png (device ms per path, jax.nn's and torch's beside ours).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_c
 
 import cudnn_jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
-from harness import device_events, load_torch, time_calls, write_results  # pylint: disable=wrong-import-position
+from harness import bar_chart, device_events, load_torch, time_calls, write_results  # pylint: disable=wrong-import-position
 import sdpa  # pylint: disable=wrong-import-position
 
 CALLS = 5
@@ -104,6 +105,14 @@ def main():
   print("wrote", write_results(args.out, "sdpa_kernels", rows, shape=str(shape),
                                backward=args.backward, libcudnn=loaded_cudnn(),
                                cache_info=cudnn_jax.cache_info()))
+  # Device time per path, torch's cuDNN call (when it ran) the hatched anchor.
+  paths = [r["path"] for r in rows]
+  series = {"device ms": [r["device_ms"] for r in rows]}
+  for how in ("straight-line", "fori_loop"):
+    series[f"chained {how} ms"] = [r.get(f"chained_{how}_ms") for r in rows]
+  print("wrote", bar_chart(os.path.join(args.out, "sdpa_kernels.png"),
+                           f"sdpa kernels, {shape}", paths, series,
+                           "ms per call (lower is better)"))
 
 
 if __name__ == "__main__":
