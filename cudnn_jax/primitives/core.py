@@ -23,6 +23,7 @@ No ``jax.ffi.ffi_call`` happens outside this package.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -149,8 +150,9 @@ class Local:
   def __call__(self, config, *arrays):
     arrays = [jnp.asarray(a) for a in arrays]
     mesh = explicit_mesh(arrays)
+    partition = not exporting()
     if mesh is None:
-      return tuple(self.p.bind(*arrays, config=config))
+      return tuple(self.p.bind(*arrays, config=config, partition=partition))
     # Explicit axes: run with automatic axes inside, and type the results as the rule says.
     shapes = [a.shape for a in arrays]
     rule = self.rule(config, *shapes)
@@ -158,7 +160,7 @@ class Local:
     specs = [jax.typeof(a).sharding.spec for a in arrays]
     axes_of = rule.assign(mesh.shape, shapes, specs, [r.shape for r in results])
     out = rule.specs(rule.results, axes_of)
-    run = lambda *a: tuple(self.p.bind(*a, config=config))
+    run = lambda *a: tuple(self.p.bind(*a, config=config, partition=partition))
     return jax.sharding.auto_axes(run, out_sharding=out)(*arrays)
 
   @functools.lru_cache(maxsize=4096)
@@ -171,13 +173,17 @@ class Local:
     """The results' shapes and dtypes for these operands (anything with shape and dtype)."""
     return self._abstract(*arrays, config=config)
 
-  def _abstract(self, *avals, config):
+  def _abstract(self, *avals, config, partition=True):
+    del partition
     return self._abstract_of(config, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
 
   def _lowering(self, fn):
-    def lowering(ctx, *args, config):
+    def lowering(ctx, *args, config, partition=True):
       devices = getattr(ctx.module_context.axis_context, "device_assignment", None)
-      run = fn if not devices or len(devices) == 1 else self._partitioned(fn)
+      # Traced under ``exporting()``: no custom_partitioning (its Python callback cannot be
+      # serialized); the SPMD partitioner then partitions ``fn`` like any other code.
+      many = devices and len(devices) > 1 and partition
+      run = self._partitioned(fn) if many else fn
       # ``fn`` computes on plain local arrays: traced without the operands' mesh types.
       with _no_mesh():
         plain = lambda avals: [jax.core.ShapedArray(a.shape, a.dtype) for a in avals]
@@ -219,7 +225,7 @@ class Local:
     partitioned.def_partition(partition=partition, sharding_rule=sharding_rule)
     return partitioned
 
-  def _batch(self, args, dims, *, config):
+  def _batch(self, args, dims, *, config, partition=True):
     """Folds the vmapped axis into the batch factor of every operand that has it."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     unbatched = [x.shape if d is None else x.shape[:d] + x.shape[d + 1:]
@@ -245,7 +251,7 @@ class Local:
         # itself, which XLA compiles on any backend; correct, without the handler.
         outs = jax.vmap(functools.partial(self.impl, config), in_axes=tuple(dims))(*args)
         return tuple(outs), (0,) * len(outs)
-    outs = self.p.bind(*folded, config=config)
+    outs = self.p.bind(*folded, config=config, partition=partition)
     want = self._abstract(*[jax.core.ShapedArray(s, x.dtype) for s, x in zip(unbatched, args)],
                           config=config)
     results, out_dims = [], []
@@ -260,6 +266,23 @@ class Local:
       results.append(o)
       out_dims.append(0)
     return tuple(results), tuple(out_dims)
+
+
+_EXPORTING = [0]
+
+
+@contextlib.contextmanager
+def exporting_scope():
+  """Inside it, primitives bind for ``jax.export``: see ``cudnn_jax.export``."""
+  _EXPORTING[0] += 1
+  try:
+    yield
+  finally:
+    _EXPORTING[0] -= 1
+
+
+def exporting() -> bool:
+  return _EXPORTING[0] > 0
 
 
 def define(name, *, impl, rule, shardable, cuda=None, broadcast_leads=True) -> Local:
