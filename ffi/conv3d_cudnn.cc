@@ -208,7 +208,11 @@ std::shared_ptr<CachedPlan> build_plan(const Conv3dConfig& c, int device, Device
       case Conv3dPass::kWgrad: add_wgrad(*graph, c, io); break;
     }
     std::lock_guard<std::mutex> lock(handle.mu);
-    if (std::string why = build_graph(*graph, handle.handle, op); !why.empty()) {
+    // Sums in float32 and in a fixed order: no plan that reduces in lower precision or
+    // whose result depends on the order of atomic adds (a weight gradient could pick one).
+    const std::vector<fe::NumericalNote_t> excluded = {
+        fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION, fe::NumericalNote_t::NONDETERMINISTIC};
+    if (std::string why = build_graph(*graph, handle.handle, op, excluded); !why.empty()) {
       plan->error = why;
       return plan;
     }

@@ -221,7 +221,8 @@ std::string dtype_name(ffi::DataType dtype) {
   }
 }
 
-std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op) {
+std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op,
+                        const std::vector<fe::NumericalNote_t>& excluded) {
   if (auto err = graph.validate(); err.is_bad()) return stage_message(op, "validate", err);
   if (auto err = graph.build_operation_graph(handle); err.is_bad()) {
     return stage_message(op, "build_operation_graph", err);
@@ -230,6 +231,7 @@ std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::stri
       err.is_bad()) {
     return stage_message(op, "create_execution_plans", err);
   }
+  if (!excluded.empty()) graph.deselect_numeric_notes(excluded);
   if (auto err = graph.check_support(handle); err.is_bad()) {
     return stage_message(op, "check_support", err);
   }

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "common/cudnn_runtime.h"
 #include "common/errors.h"
@@ -35,8 +36,10 @@ inline std::string stage_message(std::string_view op, std::string_view stage, fe
 std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm);
 
 // Validates `graph`, lowers it to a cuDNN operation graph and builds every candidate
-// execution plan (heuristics mode A, then FALLBACK). Returns "" or the failure.
-std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op);
+// execution plan (heuristics mode A, then FALLBACK) except those carrying a numerical note
+// of `excluded`. Returns "" or the failure.
+std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op,
+                        const std::vector<fe::NumericalNote_t>& excluded = {});
 
 // cuDNN's workspace: a u8 result of the custom call, sized when the call is lowered, so
 // that XLA owns it (and could capture the call into a CUDA graph).
