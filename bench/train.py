@@ -8,10 +8,11 @@ program) beside what the parallelism layout predicts.
   python bench/train.py --coordinator host0:1234 --num-processes 2 --process-id 0   # on each host
 
 With ``--num-processes`` the same script runs on several processes (``jax.distributed``):
-each process places only its own shards of the batch. ``--out FILE.npz`` saves the losses
-and the final parameters. On a GPU ``--baseline`` also trains the same model with
-attention on ``jax.nn.dot_product_attention`` and the experts on ``lax.ragged_dot``
-(data parallel layouts only: jax.nn has no context parallelism).
+each process places only its own shards of the batch. ``--mesh`` repeated trains on each
+mesh in turn (one launch, one compiled step per mesh). ``--out FILE.npz`` saves the losses
+and the final parameters, keyed ``<mesh>:<name>``. On a GPU ``--baseline`` also trains the
+same model with attention on ``jax.nn.dot_product_attention`` and the experts on
+``lax.ragged_dot`` (data parallel layouts only: jax.nn has no context parallelism).
 """
 
 from __future__ import annotations
@@ -27,22 +28,32 @@ import time
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--mesh", default=None,
-                 help="axis=size,... with axes from data, tensor, sequence, expert "
-                      "(default: data=2,tensor=2,sequence=2 on 8 devices, else data=<all>)")
+  p.add_argument("--mesh", action="append", default=None,
+                 help="axis=size,... with axes from data, tensor, sequence, expert, and "
+                      "expert=AXIS to shard the experts on another axis (default: "
+                      "data=2,tensor=2,sequence=2 on 8 devices, else data=<all>); repeat "
+                      "it to train on several meshes in one run")
   p.add_argument("--expert-axis", default=None, help="the axis experts are sharded on")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--length", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--width", type=int, default=64)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=16)
   p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (params float32)")
   p.add_argument("--cpu-devices", type=int, default=8, help="host devices when on the CPU")
   p.add_argument("--coordinator", default=None, help="host:port of process 0")
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--process-id", type=int, default=0)
+  p.add_argument("--kda-combine", choices=("gather", "log_depth"), default=None,
+                 help="how KDA's sequence parallelism combines the spans' maps "
+                      "(default: cudnn_jax.ops.kda_sequence_parallel.ENTERING)")
   p.add_argument("--baseline", action="store_true",
                  help="also jax.nn.dot_product_attention + lax.ragged_dot (GPU)")
+  p.add_argument("--fast-compile", action="store_true",
+                 help="compile the step with LLVM's cheaper passes only (tests: compiling "
+                      "dominates their time on the CPU)")
   p.add_argument("--out", default=None, help="save losses and final params (.npz)")
   return p.parse_args(argv)
 
@@ -127,10 +138,14 @@ def expected_bytes(cfg, layout, mesh, batch, length, param_bytes):
     attention and KDA output projections, and of their input projections' gradients;
     under expert parallelism the experts' partial outputs and their input gradients;
   - collective-permute: the ring attention's key/value shards, S - 1 steps;
-  - all-gather: the KDA span maps (M [K,K] and B [K,V] per sequence and head) of every
-    device along the sequence axis, and reduce-scatter: their transposes.
+  - all-gather: the KDA span maps (M [K,K] and B [K,V] per sequence and head of the
+    device's batch rows and heads) of every device along the sequence axis, in the forward
+    and the rematerialized forward; in the backward the cotangents of the states entering
+    the spans ([K,V] each), gathered the same way;
+  - reduce-scatter: none.
   Forward collectives run three times per step: forward, rematerialized forward, and
-  transposed in the backward pass.
+  transposed in the backward pass. (KDA combining the maps by the log-depth scan moves
+  them by collective permutes instead, not predicted here.)
   """
   size = lambda role: mesh.shape[getattr(layout, role)] if getattr(layout, role) else 1
   d, t, s, e = (size(r) for r in ("data", "tensor", "sequence", "expert"))
@@ -138,13 +153,14 @@ def expected_bytes(cfg, layout, mesh, batch, length, param_bytes):
   act = tokens * cfg.width * 4
   heads = cfg.heads // t
   kv = tokens * heads * cfg.head_dim * 4
-  maps = (batch // d) * heads * cfg.head_dim * (cfg.head_dim + cfg.head_dim) * 4
+  states = (batch // d) * heads * cfg.head_dim * cfg.head_dim * 4
+  maps = 2 * states  # M and B
   passes = 3 * cfg.layers
   return {
       "all-reduce": (param_bytes if d * s > 1 else 0) + passes * act * (
           (2 if t > 1 else 0) + (1 if e > 1 else 0)),
-      "all-gather": passes * s * maps if s > 1 else 0,
-      "reduce-scatter": cfg.layers * maps if s > 1 else 0,
+      "all-gather": cfg.layers * s * (2 * maps + states) if s > 1 else 0,
+      "reduce-scatter": 0,
       "collective-permute": passes * (s - 1) * 2 * kv,
       "all-to-all": 0,
   }
@@ -193,7 +209,9 @@ def train(jax, gpt, cfg, mesh, layout, args, label):
   state = trainer.init(seed=0)
   batches = [trainer.batch(*gpt.synthetic_batch(i, args.batch, args.length, cfg.vocab))
              for i in range(args.steps)]
-  compiled = trainer.lower(state, *batches[0]).compile()
+  options = ({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+             if args.fast_compile else None)
+  compiled = trainer.lower(state, *batches[0]).compile(compiler_options=options)
   losses, start = [], None
   for i, (x, y) in enumerate(batches):
     if i == 1:  # the first step warms up
@@ -212,6 +230,18 @@ def train(jax, gpt, cfg, mesh, layout, args, label):
   return np.array(losses), state[0], tokens_per_s, compiled
 
 
+def parse_mesh(text, expert_axis=None):
+  """"data=2,tensor=2,expert=tensor" -> ({axis: size}, the expert axis or None)."""
+  sizes = {}
+  for item in text.split(","):
+    name, value = item.split("=")
+    if name == "expert" and not value.isdigit():
+      expert_axis = value
+    else:
+      sizes[name] = int(value)
+  return sizes, expert_axis
+
+
 def main(argv=None):
   args = parse_args(argv)
   jax = start_jax(args)
@@ -219,48 +249,57 @@ def main(argv=None):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from cudnn_jax.models import gpt  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.ops import kda_sequence_parallel  # pylint: disable=g-import-not-at-top
+
+  if args.kda_combine:
+    kda_sequence_parallel.ENTERING = args.kda_combine
 
   n = jax.device_count()
-  text = args.mesh or ("data=2,tensor=2,sequence=2" if n == 8 else f"data={n}")
-  sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
-  mesh = gpt.make_mesh(sizes, expert=args.expert_axis)
-  layout = gpt.Layout.of(mesh, expert=args.expert_axis)
-  cfg = gpt.Config(width=args.width, layers=args.layers,
-                   dtype=jnp.bfloat16 if args.bf16 else None)
+  texts = args.mesh or ["data=2,tensor=2,sequence=2" if n == 8 else f"data={n}"]
+  cfg = gpt.Config(width=args.width, layers=args.layers, heads=args.heads,
+                   head_dim=args.head_dim, dtype=jnp.bfloat16 if args.bf16 else None)
   lead = jax.process_index() == 0
   if lead:
-    print(f"{jax.process_count()} process(es), {n} {jax.devices()[0].platform} devices, "
-          f"mesh {dict(mesh.shape)}, {layout}")
+    print(f"{jax.process_count()} process(es), {n} {jax.devices()[0].platform} devices")
     print(f"model {cfg}, batch {args.batch} x {args.length} tokens")
-
-  losses, params, _, compiled = train(jax, gpt, cfg, mesh, layout, args, "cudnn_jax")
-  param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
-  hlo = compiled.as_text()
-  if os.environ.get("TRAIN_HLO"):
-    with open(os.environ["TRAIN_HLO"], "w") as f:
-      f.write(hlo)
-  measured = collective_bytes(hlo)
-  expected = expected_bytes(cfg, layout, mesh, args.batch, args.length, param_bytes)
-  if lead:
-    print(f"\n{'collective':20s} {'measured B/step/device':>24s} {'expected':>14s}")
-    for kind in KINDS:
-      print(f"{kind:20s} {measured[kind]:24,d} {expected[kind]:14,d}")
-  if args.baseline and jax.devices()[0].platform == "gpu":
-    if layout.sequence or layout.expert:
-      print("baseline: data and tensor parallel layouts only")
-    else:
-      with baseline_ops():
-        train(jax, gpt, cfg, mesh, layout, args, "jax.nn + lax.ragged_dot")
-  if args.out:
-    gathered = multihost_utils.process_allgather(params, tiled=True)
+  saved, status = {}, 0
+  for text in texts:
+    sizes, expert = parse_mesh(text, args.expert_axis)
+    mesh = gpt.make_mesh(sizes, expert=expert)
+    layout = gpt.Layout.of(mesh, expert=expert)
     if lead:
-      flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
-              for path, x in jax.tree_util.tree_flatten_with_path(gathered)[0]}
-      np.savez(args.out, losses=losses, **flat)
-  if lead and not losses[-1] < losses[0]:
-    print("loss did not go down", file=sys.stderr)
-    return 1
-  return 0
+      combine = f", KDA combine {kda_sequence_parallel.ENTERING}" if layout.sequence else ""
+      print(f"\nmesh {dict(mesh.shape)}, {layout}{combine}")
+    losses, params, _, compiled = train(jax, gpt, cfg, mesh, layout, args, "cudnn_jax")
+    param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+    hlo = compiled.as_text()
+    if os.environ.get("TRAIN_HLO"):
+      with open(os.environ["TRAIN_HLO"], "w") as f:
+        f.write(hlo)
+    measured = collective_bytes(hlo)
+    expected = expected_bytes(cfg, layout, mesh, args.batch, args.length, param_bytes)
+    if lead:
+      print(f"{'collective':20s} {'measured B/step/device':>24s} {'expected':>14s}")
+      for kind in KINDS:
+        print(f"{kind:20s} {measured[kind]:24,d} {expected[kind]:14,d}")
+    if args.baseline and jax.devices()[0].platform == "gpu":
+      if layout.sequence or layout.expert:
+        print("baseline: data and tensor parallel layouts only")
+      else:
+        with baseline_ops():
+          train(jax, gpt, cfg, mesh, layout, args, "jax.nn + lax.ragged_dot")
+    if args.out:
+      # Keys "<mesh>:<parameter path>"; every process takes part in the gather.
+      gathered = multihost_utils.process_allgather(params, tiled=True)
+      saved[f"{text}:losses"] = losses
+      for path, x in jax.tree_util.tree_flatten_with_path(gathered)[0]:
+        saved[text + ":" + "/".join(str(getattr(k, "key", k)) for k in path)] = np.asarray(x)
+    if lead and not losses[-1] < losses[0]:
+      print(f"{text}: loss did not go down", file=sys.stderr)
+      status = 1
+  if args.out and lead:
+    np.savez(args.out, **saved)
+  return status
 
 
 if __name__ == "__main__":

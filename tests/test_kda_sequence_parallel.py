@@ -4,6 +4,9 @@ initial states and with packed sequences that cross the devices' span boundaries
 span maps the module derives from the op are right: a wrong M or B, or a reset inside a
 span not cutting the map, would change the states entering the later spans)."""
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,10 @@ import cudnn_jax
 from cudnn_jax.ops import kda_sequence_parallel
 from kda_cases import Config, make_case
 from mesh_cases import mesh_or_skip
+
+# bench/train.py's collective_bytes reads the collectives of a compiled program.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 TOKENS = ("q", "k", "v", "g", "beta")
 
@@ -114,3 +121,22 @@ def test_bad_arguments():
       cudnn_jax.kda(*tokens, **kwargs, sequence_parallel_axis="tp")
   with pytest.raises(TypeError, match="sequence_parallel_axis"):
     cudnn_jax.kda(*tokens, **kwargs, sequence_parallel_axis=1)
+
+
+def test_maps_gathered_along_the_sequence_axis_only():
+  """Batch on "data", heads on "tp", tokens on "sp": each device receives the maps of its
+  own batch rows and heads from the spans along "sp" (M [K,K] and B [K,V] each), and
+  nothing else is gathered (an all_gather inside a shard_map manual over "sp" alone would
+  first replicate the maps over "data" and "tp")."""
+  cfg = Config(b=2, t=32, h=2, hv=2)
+  arrays, kwargs = make_case(cfg)
+  tokens, rest = _split(arrays)
+  mesh = mesh_or_skip((2, 2, 2), ("data", "tp", "sp"))
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "sp", "tp"))) for x in tokens]
+    run = jax.jit(lambda *t: cudnn_jax.kda(*t, **rest, **kwargs, implementation="xla",
+                                           sequence_parallel_axis="sp"))
+    hlo = run.lower(*placed).compile().as_text()
+  sp, rows, heads = 2, cfg.b // 2, cfg.hv // 2
+  maps = sp * rows * heads * cfg.k * (cfg.k + cfg.v) * 4
+  assert train.collective_bytes(hlo)["all-gather"] == maps

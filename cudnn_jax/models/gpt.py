@@ -13,7 +13,8 @@ Parallelism comes from one mesh description, its axes named after their roles (`
 - ``tensor``: attention and KDA heads, and their projections, are sharded (the output
   projections' partial sums all-reduced);
 - ``sequence``: the tokens are sharded; attention runs as sdpa's context parallelism with
-  the "ring" strategy, KDA as its sequence parallelism (``sequence_parallel_axis``);
+  the "ring" strategy, KDA as its sequence parallelism (``sequence_parallel_axis``), the
+  experts on each device's own tokens (``_TokenOrder``);
 - ``expert``: the experts' weights are sharded and each device serves its own experts
   (``moe_mlp``'s expert parallelism; that axis is made ``Explicit``). It may name the
   tensor axis (experts and heads on the same devices).
@@ -101,7 +102,31 @@ class Block(nn.Module):
                              **common)
     x = x + kda(norm("kda_norm")(x))[0]
     moe = MoEMLP(c.experts, c.top_k, c.hidden, name="moe", **common)
-    return x + moe(norm("moe_norm")(x)).astype(x.dtype), None
+    tokens = _TokenOrder(self.layout, x.shape)
+    y = tokens.restore(moe(tokens.flat(norm("moe_norm")(x))))
+    return x + y.astype(x.dtype), None
+
+
+class _TokenOrder:
+  """``[B, T, D]`` <-> ``[B T, D]`` with each device's tokens contiguous: the batch and the
+  sequence split into (their mesh axis' shards, the rest) and the shards' dims put first.
+  The experts see every token once in any order; a plain reshape would interleave the
+  sequence shards and make the compiler gather the tokens along the sequence axis."""
+
+  def __init__(self, layout, shape):
+    mesh = jax.sharding.get_abstract_mesh()
+    size = lambda axis: mesh.shape[axis] if axis and axis in mesh.axis_names else 1
+    self.d, self.s, self.shape = size(layout.data), size(layout.sequence), shape
+
+  def flat(self, x):
+    (b, t, w), d, s = self.shape, self.d, self.s
+    x = x.reshape(d, b // d, s, t // s, w).transpose(0, 2, 1, 3, 4)
+    return x.reshape(b * t, w)
+
+  def restore(self, y):
+    (b, t, w), d, s = self.shape, self.d, self.s
+    y = y.reshape(d, s, b // d, t // s, w).transpose(0, 2, 1, 3, 4)
+    return y.reshape(b, t, w)
 
 
 class GPT(nn.Module):
@@ -130,11 +155,13 @@ class GPT(nn.Module):
 
 # Weight shardings by name: (the parameter's path ends with, its spec after the layer axis).
 # Heads' projections shard their head dimension on the tensor axis; experts on the expert axis.
-_HEAD_OUT = ("tensor",)  # the last dimension holds heads
 _SPECS = (
     (("attention", "query", "kernel"), (None, "tensor", None)),
     (("attention", "key", "kernel"), (None, "tensor", None)),
     (("attention", "value", "kernel"), (None, "tensor", None)),
+    (("attention", "query", "bias"), ("tensor", None)),
+    (("attention", "key", "bias"), ("tensor", None)),
+    (("attention", "value", "bias"), ("tensor", None)),
     (("attention", "out", "kernel"), ("tensor", None, None)),
     (("kda", "o_proj", "kernel"), ("tensor", None)),
     (("kda", "a_log"), ("tensor",)),
@@ -155,6 +182,19 @@ def param_spec(path, ndim, layout: Layout):
       if len(spec) == ndim:
         return P(*(getattr(layout, s) if s else None for s in spec))
   return P()
+
+
+# Parameters whose gradient is zero in exact arithmetic, kept at their initial values: the
+# attention key projection's bias adds ``q . bias`` to every logit of a query's row, which
+# the softmax ignores. Its computed gradient is rounding noise (about 1e-8 where the other
+# biases' are 0.1) whose signs follow the order of the reductions, and Adam's
+# normalization would turn that noise into full-size steps (runs that sum in another order,
+# e.g. one process and two, would then drift apart by the learning rate per step).
+_FROZEN = (("attention", "key", "bias"),)
+
+
+def _frozen(names):
+  return any(names[-len(f):] == f for f in _FROZEN)
 
 
 def synthetic_batch(seed, batch, length, vocab):
@@ -218,6 +258,8 @@ class Trainer:
   def _train_step(self, state, inputs, targets):
     params, opt_state = state
     loss, grads = jax.value_and_grad(self.loss)(params, inputs, targets)
+    grads = jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if _frozen(_names(path)) else g, grads)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 

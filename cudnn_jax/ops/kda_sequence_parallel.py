@@ -12,10 +12,15 @@ and both come from the op itself: run over the span with K zero value columns ap
 the initial state ``[0 | I]``, its final state is ``[B | M]``. Each device therefore
 
 1. runs the op over its span from a zero entering state, values widened: ``(M, B)``;
-2. combines the spans' maps in device order (``ENTERING``: every map gathered and folded
-   on each device, or a log-depth scan of ``ppermute`` steps): the state entering its span;
+2. combines the spans' maps in device order (``ENTERING``: every map gathered along the
+   sequence axis and folded on each device, or a log-depth scan of ``ppermute`` steps):
+   the state entering its span;
 3. runs the op over its span again from that state: its outputs and final states are the
    unsharded call's.
+
+Steps 1 and 3 are two shard_maps, manual over the sequence axis only (the batch rows and
+heads stay sharded as the compiler placed them on the other axes); the gathered combine
+runs between them, outside, so that only the sequence axis is gathered.
 
 Both runs are the op's own engines (``xla``, ``triton``) with their custom VJPs, so
 gradients need nothing more (JAX transposes the collectives). The cost per device is two
@@ -45,7 +50,8 @@ from cudnn_jax.ops.sdpa_context_parallel import _current, _mesh_with, _spec, _wi
 # How the spans' maps are combined: "gather" (one all-gather of every device's map, each
 # device folding the maps before its own: D - 1 small matmuls) or "log_depth" (log2 D
 # rounds of collective permutes, each composing two maps). Measured on the 8-device CPU
-# mesh (bench/NOTES.md): the single all-gather is as fast or faster at these sizes.
+# mesh (bench/NOTES.md, the GPT-style model's training step): the single all-gather is as
+# fast or faster at these sizes.
 ENTERING = "gather"
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -63,19 +69,25 @@ def _compose(first, then):
       then, first[1])
 
 
-def _entering_gather(maps, start, axis):
-  """The state entering this device's span: every span's map gathered, then folded from
-  ``start`` (the state entering the first span) up to this device."""
-  every = jax.tree.map(lambda x: jax.lax.all_gather(x, axis), maps)
+def _entering_gather(maps, start):
+  """Every span's entering state ``[D, ...]`` from every span's map ``[D, ...]`` (stacked
+  along the sequence axis), folded from ``start`` (the state entering the first span).
+
+  Runs outside the shard_map, where every mesh axis is the compiler's: the constraint
+  gathers the maps along the sequence axis only, each device keeping its own batch rows
+  and heads. (An ``all_gather`` inside a shard_map that is manual over the sequence axis
+  alone first replicates its operand over the other axes: on a data x tensor x sequence
+  mesh it moved the maps of every batch row and head; bench/NOTES.md.)"""
+  free = (P.UNCONSTRAINED,) * (maps[0].ndim - 1)
+  every = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(None, *free)), maps)
   step = lambda state, m: (_apply(m, state), state)
-  _, entering = jax.lax.scan(step, start, every)
-  return entering[jax.lax.axis_index(axis)]
+  return jax.lax.scan(step, start, every)[1]
 
 
 def _entering_log_depth(maps, start, axis, size):
-  """The same by a log-depth inclusive scan (Hillis-Steele): after the round of ``shift``,
-  device d holds the maps of devices ``d - 2 shift + 1 .. d`` composed; then each span's
-  leaving state moves one device on."""
+  """The state entering this device's span by a log-depth inclusive scan (Hillis-Steele)
+  inside the shard_map: after the round of ``shift``, device d holds the maps of devices
+  ``d - 2 shift + 1 .. d`` composed; then each span's leaving state moves one device on."""
   index = jax.lax.axis_index(axis)
   shift = 1
   while shift < size:
@@ -86,12 +98,6 @@ def _entering_log_depth(maps, start, axis, size):
   leaving = _apply(maps, start)
   entering = jax.lax.ppermute(leaving, axis, [(j, j + 1) for j in range(size - 1)])
   return jnp.where(index == 0, start, entering)
-
-
-def _entering(maps, start, axis, size):
-  if ENTERING == "log_depth":
-    return _entering_log_depth(maps, start, axis, size)
-  return _entering_gather(maps, start, axis)
 
 
 def _widened(v, k_dim):
@@ -146,32 +152,62 @@ class _Pieces:
                    keepdims=True)
 
 
-def _local(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens, *, op, axis, size,
-           rows, options):
-  """One device's span: ``(o [B, span, HV, V], finals [1, N, HV, K, V])`` where ``finals``
-  holds the final states of the sequences that end in the span (zeros elsewhere)."""
-  index = jax.lax.axis_index(axis)
-  span, (hv, k_dim, v_dim) = q.shape[1], (v.shape[2], q.shape[3], v.shape[3])
-  gates = dict(a_log=a_log, dt_bias=dt_bias)
-  run = lambda v_, init, cu: op(q, k, v_, g, beta, initial_state=init, cu_seqlens=cu,
-                                output_final_state=True, **gates, **dict(options))
+def _start(q, v, initial_state, cu_seqlens):
+  """The state entering the first span (``[N, HV, K, V]``; packed: ``[1, ...]``, zeros),
+  and the sequences' own initial states ``[N, HV, K, V]`` float32."""
+  hv, k_dim, v_dim = v.shape[2], q.shape[3], v.shape[3]
   n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
   own = (jnp.zeros((n, hv, k_dim, v_dim), jnp.float32) if initial_state is None
          else initial_state.astype(jnp.float32))
+  return (own if cu_seqlens is None else jnp.zeros((1,) + own.shape[1:], jnp.float32)), own
 
-  if cu_seqlens is None:  # every batch row runs through every span
+
+def _span(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens, *, op, axis, size, rows,
+          options):
+  """(run, own, pieces, index) of one device's span: ``run(v, initial, cu)`` is the op over
+  the span's tokens; ``pieces`` the span's packed pieces (None without cu_seqlens)."""
+  del size
+  index, span = jax.lax.axis_index(axis), q.shape[1]
+  gates = dict(a_log=a_log, dt_bias=dt_bias)
+  run = lambda v_, init, cu: op(q, k, v_, g, beta, initial_state=init, cu_seqlens=cu,
+                                output_final_state=True, **gates, **dict(options))
+  own = _start(q, v, initial_state, cu_seqlens)[1]
+  pieces = None if cu_seqlens is None else _Pieces(cu_seqlens, rows, index * span, span)
+  return run, own, pieces, index
+
+
+def _local_maps(*arrays, log_depth, **kw):
+  """Step 1 on one device: its span's map ``(M, B)``, each ``[1, ...]`` (stacked along the
+  sequence axis outside); with ``log_depth`` instead the state entering the span ``[1, ...]``
+  (the maps combined here, by collective permutes)."""
+  q, v, initial_state, cu_seqlens = arrays[0], arrays[2], arrays[5], arrays[8]
+  run, own, pieces, _ = _span(*arrays, **kw)
+  k_dim, v_dim = q.shape[3], v.shape[3]
+  start = _start(q, v, initial_state, cu_seqlens)[0]
+  if pieces is None:  # every batch row runs through every span
     _, widened = run(_widened(v, k_dim), _identity_like(own, k_dim), None)
-    entering = _entering(_split(widened, v_dim), own, axis, size)
-    o, final = run(v, entering, None)
-    return o, jnp.where(index == size - 1, final, 0.0)[None]
+  else:
+    wide_own = jnp.concatenate([own, jnp.zeros(own.shape[:3] + (k_dim,), jnp.float32)], -1)
+    _, widened = run(_widened(v, k_dim),
+                     pieces.initial(_identity_like(start, k_dim), wide_own), pieces.cu)
+    widened = pieces.leaving(widened)
+  maps = _split(widened, v_dim)
+  if log_depth:
+    return _entering_log_depth(maps, start, kw["axis"], kw["size"])[None]
+  return jax.tree.map(lambda x: x[None], maps)
 
-  pieces = _Pieces(cu_seqlens, rows, index * span, span)
-  start = jnp.zeros((1, hv, k_dim, v_dim), jnp.float32)
-  wide_own = jnp.concatenate([own, jnp.zeros((n, hv, k_dim, k_dim), jnp.float32)], -1)
-  _, widened = run(_widened(v, k_dim), pieces.initial(_identity_like(start, k_dim), wide_own),
-                   pieces.cu)
-  entering = _entering(_split(pieces.leaving(widened), v_dim), start, axis, size)
-  o, finals = run(v, pieces.initial(entering, own), pieces.cu)
+
+def _local_outputs(*arrays, **kw):
+  """Step 3 on one device: ``(o [B, span, HV, V], finals [1, N, HV, K, V])`` from the
+  state entering its span (the last of ``arrays``, ``[1, ...]``), where ``finals`` holds
+  the final states of the sequences that end in the span (zeros elsewhere)."""
+  *arrays, entering = arrays
+  run, own, pieces, index = _span(*arrays, **kw)
+  entering, size = entering[0], kw["size"]
+  if pieces is None:
+    o, final = run(arrays[2], entering, None)
+    return o, jnp.where(index == size - 1, final, 0.0)[None]
+  o, finals = run(arrays[2], pieces.initial(entering, own), pieces.cu)
   o = jnp.where(pieces.inside[None, :, None, None], o, jnp.zeros((), o.dtype))
   mine = jnp.where(pieces.ends[:, None, None, None], finals[1::2], 0.0)
   mine += jnp.where(pieces.empty[:, None, None, None] & (index == 0), own, 0.0)
@@ -200,9 +236,9 @@ def sequence_parallel(op, q, k, v, g, beta, *, axis, initial_state, a_log, dt_bi
 def _sequence_parallel(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens, *, op,
                        mesh, axis, options):
   size = mesh.shape[axis]
-  local = functools.partial(_local, op=op, axis=axis, size=size, rows=q.shape[1],
-                            options=options)
-  tokens = P(None, axis)
+  kw = dict(op=op, axis=axis, size=size, rows=q.shape[1], options=options)
+  log_depth = ENTERING == "log_depth"
+  tokens, stacked = P(None, axis), P(axis)
   arrays = (q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqlens)
   in_specs = (tokens,) * 5 + (P(),) * 4
 
@@ -210,17 +246,26 @@ def _sequence_parallel(q, k, v, g, beta, initial_state, a_log, dt_bias, cu_seqle
     # check_vma=False: the engines' custom_vjps do not track which values vary across
     # devices; unchecked, the cotangents of replicated inputs (initial_state, a_log,
     # dt_bias) are summed over the devices, which is their gradient.
-    o, finals = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tokens, P(axis)),
-                              axis_names={axis}, check_vma=False)(*arrays)
+    shard_map = functools.partial(jax.shard_map, mesh=mesh, axis_names={axis},
+                                  check_vma=False)
+    maps = shard_map(functools.partial(_local_maps, log_depth=log_depth, **kw),
+                     in_specs=in_specs, out_specs=stacked)(*arrays)
+    entering = maps if log_depth else _entering_gather(
+        maps, _start(arrays[0], arrays[2], arrays[5], arrays[8])[0])
+    o, finals = shard_map(functools.partial(_local_outputs, **kw),
+                          in_specs=in_specs + (stacked,),
+                          out_specs=(tokens, stacked))(*arrays, entering)
     return o, jnp.sum(finals, 0)
 
   if jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return run(mesh, *arrays)
   # Explicit axes: the shard_map runs on automatic ones (as in sdpa_context_parallel); o
-  # keeps v's batch and head sharding, the final states their heads' (and the batch's).
+  # keeps v's batch and head sharding (and the tokens', where the sequence axis is one of
+  # them), the final states their heads' (and the batch's).
   batch, _, heads = (_without(d, axis) for d in _spec(v, 4)[:3])
   final_spec = P(None if cu_seqlens is not None else batch, heads)
+  explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
   on_auto_axes = jax.sharding.auto_axes(
       lambda *a: run(jax.sharding.get_abstract_mesh(), *a),
-      out_sharding=(P(batch, axis, heads), final_spec))
+      out_sharding=(P(batch, axis if explicit else None, heads), final_spec))
   return on_auto_axes(*arrays)
