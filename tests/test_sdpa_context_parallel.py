@@ -89,6 +89,26 @@ def test_context_parallel_on_explicit_mesh_under_jit(strategy):
   check_equals_unsharded(mesh, strategy, CASES["causal_window"], "batch", jit=True)
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_along_an_automatic_axis_beside_explicit_ones(strategy):
+  """A model's mesh may type its batch axis explicitly and leave the context axis
+  automatic: values and gradients are the unsharded call's."""
+  axis_types = (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto)
+  mesh = jax.make_mesh((2, 4), ("data", "cp"), axis_types=axis_types)
+  q, k, v = inputs()
+  call = functools.partial(cudnn_jax.sdpa, is_causal=True, implementation="xla")
+  loss = lambda f, q: jnp.sum(jnp.sin(f(q, k, v)))
+  with jax.set_mesh(mesh):
+    q_sharded = jax.device_put(q, NamedSharding(mesh, P("data")))
+    parallel = functools.partial(call, context_parallel_axis="cp",
+                                 context_parallel_strategy=strategy)
+    out = jax.jit(parallel)(q_sharded, k, v)
+    grad = jax.jit(jax.grad(functools.partial(loss, parallel)))(q_sharded)
+  np.testing.assert_allclose(out, call(q, k, v), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grad, jax.grad(functools.partial(loss, call))(q), rtol=1e-4,
+                             atol=1e-5)
+
+
 def test_context_parallel_takes_the_mesh_of_sharded_inputs():
   """Without jax.set_mesh, the mesh the inputs are sharded on names the axis."""
   for axis_type in ("Auto", "Explicit"):

@@ -191,10 +191,13 @@ def _context_parallel(query, key, value, sinks, *, sdpa, mesh, axis, strategy, i
   # Explicit axes: the shard_map runs on automatic ones (only there does JAX transpose its
   # gathers, and the move of unsharded inputs onto the sequence shards). out and lse keep
   # query's batch and head sharding and are sequence sharded along ``axis``.
+  # An automatic ``axis`` beside explicit ones is not named in the results' types.
   batch, heads = (_without(d, axis) for d in _spec(query, 4)[::2])
+  explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
+  sequence = axis if explicit else None
   on_auto_axes = jax.sharding.auto_axes(
       lambda *a: run(jax.sharding.get_abstract_mesh(), *a),
-      out_sharding=(P(batch, axis, heads), P(batch, heads, axis)))
+      out_sharding=(P(batch, sequence, heads), P(batch, heads, sequence)))
   return on_auto_axes(*arrays)
 
 
