@@ -55,6 +55,8 @@ def parse_args(argv=None):
                  help="compile the step with LLVM's cheaper passes only (tests: compiling "
                       "dominates their time on the CPU)")
   p.add_argument("--out", default=None, help="save losses and final params (.npz)")
+  p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"),
+                 help="folder for train.json (tokens/s and collectives per mesh) and its chart")
   return p.parse_args(argv)
 
 
@@ -262,7 +264,7 @@ def main(argv=None):
   if lead:
     print(f"{jax.process_count()} process(es), {n} {jax.devices()[0].platform} devices")
     print(f"model {cfg}, batch {args.batch} x {args.length} tokens")
-  saved, status = {}, 0
+  saved, status, rows = {}, 0, []
   for text in texts:
     sizes, expert = parse_mesh(text, args.expert_axis)
     mesh = gpt.make_mesh(sizes, expert=expert)
@@ -270,7 +272,8 @@ def main(argv=None):
     if lead:
       combine = f", KDA combine {kda_sequence_parallel.ENTERING}" if layout.sequence else ""
       print(f"\nmesh {dict(mesh.shape)}, {layout}{combine}")
-    losses, params, _, compiled = train(jax, gpt, cfg, mesh, layout, args, "cudnn_jax")
+    losses, params, tokens_per_s, compiled = train(jax, gpt, cfg, mesh, layout, args,
+                                                    "cudnn_jax")
     param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
     hlo = compiled.as_text()
     if os.environ.get("TRAIN_HLO"):
@@ -282,12 +285,18 @@ def main(argv=None):
       print(f"{'collective':20s} {'measured B/step/device':>24s} {'expected':>14s}")
       for kind in KINDS:
         print(f"{kind:20s} {measured[kind]:24,d} {expected[kind]:14,d}")
+    rows.append(dict(mesh=text, model="cudnn_jax", tokens_per_s=tokens_per_s,
+                     loss_first=float(losses[0]), loss_last=float(losses[-1]),
+                     collective_bytes=dict(measured), expected_bytes=dict(expected)))
     if args.baseline and jax.devices()[0].platform == "gpu":
       if layout.sequence or layout.expert:
         print("baseline: data and tensor parallel layouts only")
       else:
         with baseline_ops():
-          train(jax, gpt, cfg, mesh, layout, args, "jax.nn + lax.ragged_dot")
+          base_losses, _, base_tokens, _ = train(jax, gpt, cfg, mesh, layout, args,
+                                                 "jax.nn + lax.ragged_dot")
+        rows.append(dict(mesh=text, model="jax.nn + lax.ragged_dot", tokens_per_s=base_tokens,
+                         loss_first=float(base_losses[0]), loss_last=float(base_losses[-1])))
     if args.out:
       # Keys "<mesh>:<parameter path>"; every process takes part in the gather.
       gathered = multihost_utils.process_allgather(params, tiled=True)
@@ -299,7 +308,26 @@ def main(argv=None):
       status = 1
   if args.out and lead:
     np.savez(args.out, **saved)
+  if lead and args.results:
+    write_chart(args.results, rows, cfg, args)
   return status
+
+
+def write_chart(folder, rows, cfg, args):
+  """``folder/train.json`` and ``train.png``: tokens/s per mesh, the baseline model (built
+  on jax.nn and lax.ragged_dot, measured in the same run) hatched beside ours."""
+  sys.path.insert(0, os.path.dirname(__file__))
+  from harness import bar_chart, write_results  # pylint: disable=g-import-not-at-top
+  path = write_results(folder, "train", rows, model=str(cfg), batch=args.batch,
+                       length=args.length, steps=args.steps)
+  meshes = list(dict.fromkeys(r["mesh"] for r in rows))
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  series = {m: [next((r["tokens_per_s"] for r in rows if r["mesh"] == mesh and r["model"] == m),
+                     None) for mesh in meshes] for m in models}
+  chart = bar_chart(os.path.join(folder, "train.png"), "GPT-style model: training throughput",
+                    meshes, series, "tokens/s (higher is better)",
+                    anchors=[m for m in models if m != "cudnn_jax"])
+  print(f"wrote {path} and {chart}")
 
 
 if __name__ == "__main__":
