@@ -29,7 +29,11 @@ def check_entries(name, x, bad, why):
   from cudnn_jax.primitives import core  # pylint: disable=g-import-not-at-top
   if not bad.size or core.exporting():  # jax.export cannot serialize a check's effect
     return
-  flat = jnp.asarray(x).reshape(-1)
+  x, bad = jnp.asarray(x), jnp.asarray(bad)
+  if core.explicit_mesh([x, bad]) is not None:  # flattened whole: replicated first
+    whole = lambda a: jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+    x, bad = whole(x), whole(bad)
+  flat = x.reshape(-1)
   i = _first(bad)
   index = jnp.unravel_index(i, bad.shape) if bad.ndim > 1 else (i,)
   where = ", ".join(["{}"] * len(index))

@@ -172,7 +172,7 @@ _bwd = core.define("cudnn_jax_sdpa_fp8_bwd", impl=_bwd_emulated, cuda=_bwd_ffi,
                    broadcast_leads=False)
 
 
-def _batch_fwd(args, dims, *, config):
+def _batch_fwd(args, dims, *, config, partition=True):
   """vmap of the forward: one call per vmapped entry (lax.map), since cuDNN's amax covers a
   whole call and folding the entries into the batch would mix their amax."""
   moved = [None if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
@@ -180,7 +180,7 @@ def _batch_fwd(args, dims, *, config):
   def one(mapped):
     it = iter(mapped)
     return tuple(_fwd.p.bind(*[x if m is None else next(it) for x, m in zip(args, moved)],
-                             config=config))
+                             config=config, partition=partition))
 
   outs = jax.lax.map(one, [m for m in moved if m is not None])
   return tuple(outs), (0,) * len(outs)
