@@ -30,8 +30,10 @@ def check_entries(name, x, bad, why):
   if not bad.size or core.exporting():  # jax.export cannot serialize a check's effect
     return
   x, bad = jnp.asarray(x), jnp.asarray(bad)
-  if core.explicit_mesh([x, bad]) is not None:  # flattened whole: replicated first
-    whole = lambda a: jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+  mesh = core.explicit_mesh([x, bad])
+  if mesh is not None:  # flattened whole: replicated first
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    whole = lambda a: jax.sharding.reshard(a, replicated)
     x, bad = whole(x), whole(bad)
   flat = x.reshape(-1)
   i = _first(bad)
