@@ -4,6 +4,7 @@
 # Environment: BENCHES (default "sdpa"), BENCH_ARGS (or BENCH_ARGS_<name>, e.g.
 # BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
 # SUITE_ARGS, NAMED_TESTS (test paths or node ids in the tree, default tests/gpu),
+# SWEEP_TESTS (the files whose random sweeps run, default tests/gpu),
 # NAMED_PARALLEL (non-empty: one process per NAMED_TESTS entry, run at once), the *_TIMEOUT
 # limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers);
@@ -51,7 +52,7 @@ fi
 [ "${SUITE_TIMEOUT:-0}" = 0 ] || { timeout "$SUITE_TIMEOUT" python3 -m pytest -q \
   -p no:cacheprovider --ignore "$TREE/tests/gpu" ${SUITE_ARGS:-} "$TREE/tests" \
   > "$LOG/pytest_suite.log" 2>&1; echo "suite on GPU: $(tail -1 "$LOG/pytest_suite.log")"; }
-for bench in ${BENCHES:-sdpa}; do  # e.g. BENCHES="sdpa kda moe"
+for bench in ${BENCHES-sdpa}; do  # e.g. BENCHES="sdpa kda moe"; BENCHES="" runs none
   per_bench=BENCH_ARGS_$bench
   timeout "${BENCH_TIMEOUT:-240}" python3 "$TREE/bench/$bench.py" --out "$LOG" \
     ${!per_bench:-${BENCH_ARGS:-}} \
@@ -70,11 +71,12 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 # SWEEP_SHARDS (default PROCS) cuts the sweep into that many shards; this run takes PROCS
 # of them from SWEEP_FIRST on, so runs on several machines can share one sweep.
 SHARDS=${SWEEP_SHARDS:-$PROCS}; FIRST=${SWEEP_FIRST:-0}
+SWEEPS=(); for t in ${SWEEP_TESTS:-tests/gpu}; do SWEEPS+=("$TREE/$t"); done
 for i in $(seq "$FIRST" $((FIRST + PROCS - 1))); do
   # Autotuning (timing every candidate plan) is what the named tests and the benchmark
   # exercise; the sweep checks numerics, so it keeps the heuristic's choice.
   CUDNN_JAX_AUTOTUNE=0 CUDNN_JAX_SWEEP_SHARD=$i/$SHARDS timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
-    "$TREE/tests/gpu" > "$SWEEP/sweep_$i.log" 2>&1 &
+    "${SWEEPS[@]}" > "$SWEEP/sweep_$i.log" 2>&1 &
 done
 wait
 for i in $(seq "$FIRST" $((FIRST + PROCS - 1))); do
