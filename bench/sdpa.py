@@ -1,6 +1,6 @@
 """Benchmark of cudnn_jax.sdpa against jax.nn.dot_product_attention.
 
-    python bench/sdpa.py [--out DIR] [--quick] [--no-loop]
+    python bench/sdpa.py [--out DIR] [--quick] [--no-loop] [--tables dense,varlen,paged,fp8]
 
 On a GPU: B*S = 16384 tokens, 16 heads, head dim 128, bfloat16, S in {1k, 4k, 8k, 16k},
 causal and not, forward and forward+backward, for cudnn_jax.sdpa (implementation="cudnn")
@@ -14,8 +14,13 @@ When torch imports and sees the GPU, torch's cuDNN attention runs on the same bu
 one call, and 10 calls between two events.
 FLOPs: 4*B*N*S^2*H forward (half when causal), x3.5 for forward+backward.
 
+The varlen, paged and fp8 tables are those of bench/sdpa_features.py (packed sequences
+against padded jax.nn, paged decode in GB/s) and bench/sdpa_fp8.py (FP8 against bf16),
+whose docstrings describe them; here they land in the same results file.
+
 With --quick: tiny shapes (on CPU, the xla engines only), for a smoke test.
-Writes DIR/sdpa.json and DIR/sdpa.png (DIR defaults to bench/results).
+Writes DIR/sdpa.json and DIR/sdpa.png, and the charts of the other tables
+(sdpa_features.png, sdpa_fp8.png); DIR defaults to bench/results.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import numpy as np
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import cudnn_jax  # pylint: disable=wrong-import-position
+import sdpa_features  # pylint: disable=wrong-import-position
+import sdpa_fp8  # pylint: disable=wrong-import-position
 from harness import (device_ms, error_text, load_torch, rel_diff, time_calls,
                      torch_time_ms, write_results)
 
@@ -42,6 +49,7 @@ WARMUP = 3
 CALLS = 20
 LOOP = 10  # calls inside one jitted loop
 LOOP_REPEATS = 5
+TABLES = ("dense",) + sdpa_features.CASES + ("fp8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,25 +303,39 @@ def main():
                       help="skip the 10-calls-in-one-jit timing")
   parser.add_argument("--device-time", action="store_true",
                       help="also the profiler's device time of a single call (JAX rows)")
+  parser.add_argument("--tables", default=",".join(TABLES),
+                      help=f"comma-separated, of {', '.join(TABLES)}")
   args = parser.parse_args()
+  tables = [t for t in args.tables.split(",") if t]
+  if not tables or set(tables) - set(TABLES):
+    parser.error(f"--tables: expected some of {', '.join(TABLES)}, got {args.tables!r}")
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.quick:
     parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
                  "use --quick for a smoke test")
-  if on_gpu:
-    probe = jax.ShapeDtypeStruct((1, 128, 16, 128), jnp.bfloat16)
-    print(cudnn_jax.explain("sdpa", probe, probe, probe, implementation="cudnn"))
-  print(HEADER)
+  os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
-  rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla,
-                       args.device_time)
+  rows, baseline, meta = [], None, {}
+  if "dense" in tables:
+    if on_gpu:
+      probe = jax.ShapeDtypeStruct((1, 128, 16, 128), jnp.bfloat16)
+      print(cudnn_jax.explain("sdpa", probe, probe, probe, implementation="cudnn"))
+    print(HEADER)
+    rows, baseline = run(args.quick, on_gpu, not args.no_loop, not args.no_xla,
+                         args.device_time)
+    plot(rows, os.path.join(args.out, "sdpa.png"), baseline)
+  cases = [t for t in tables if t in sdpa_features.CASES]
+  if cases:
+    feature_rows, feature_meta = sdpa_features.collect(cases, args.quick, CALLS, args.out)
+    meta["features"] = dict(rows=feature_rows, **feature_meta)
+  if "fp8" in tables:
+    fp8_rows, fp8_meta = sdpa_fp8.collect(args.quick, args.out)
+    meta["fp8"] = dict(rows=fp8_rows, **fp8_meta)
   elapsed = time.perf_counter() - start
   json_path = write_results(args.out, "sdpa", rows, quick=args.quick, baseline=baseline,
                             seconds=elapsed, cache_info=cudnn_jax.cache_info(),
-                            warmup=WARMUP, calls=CALLS, loop=LOOP)
-  png_path = os.path.join(args.out, "sdpa.png")
-  plot(rows, png_path, baseline)
-  print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")
+                            warmup=WARMUP, calls=CALLS, loop=LOOP, tables=tables, **meta)
+  print(f"{elapsed:.0f} s; wrote {json_path} and the charts beside it")
 
 
 if __name__ == "__main__":

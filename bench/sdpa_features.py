@@ -308,6 +308,32 @@ def plot(rows, path, with_target):
   plt.close(fig)
 
 
+def collect(cases, quick, calls, out):
+  """Runs the cases, prints their tables and verdicts, writes DIR/sdpa_features.png;
+  (rows, meta) for a results file."""
+  on_gpu = jax.default_backend() == "gpu"
+  engine = "cudnn" if on_gpu else "xla"
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  varlen_shape, paged_shape = shapes(quick)
+  runners = dict(varlen=functools.partial(run_varlen, varlen_shape),
+                 paged=functools.partial(run_paged, paged_shape))
+  rows, meta = [], {}
+  for case in cases:
+    case_rows, case_meta = runners[case](engine, dtype, calls)
+    print(HEADER)
+    for r in case_rows:
+      print_row(r)
+    rows.extend(case_rows)
+    meta.update({f"{case}_{k}": v for k, v in case_meta.items()})
+  verdicts = targets(rows, quick)
+  print("\n".join(verdicts))
+  plot(rows, os.path.join(out, "sdpa_features.png"), with_target=not quick)
+  meta.update(engine=engine, calls=calls, targets=verdicts,
+              varlen_shape=dataclasses.asdict(varlen_shape),
+              paged_shape=dataclasses.asdict(paged_shape))
+  return rows, meta
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cases", default=",".join(CASES),
@@ -319,36 +345,16 @@ def main():
   cases = [c for c in args.cases.split(",") if c]
   if not cases or set(cases) - set(CASES):
     parser.error(f"--cases: expected some of {', '.join(CASES)}, got {args.cases!r}")
-  on_gpu = jax.default_backend() == "gpu"
-  if not on_gpu and not args.quick:
+  if jax.default_backend() != "gpu" and not args.quick:
     parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
                  "use --quick for a smoke test")
-  engine = "cudnn" if on_gpu else "xla"
-  dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  varlen_shape, paged_shape = shapes(args.quick)
-  runners = dict(varlen=functools.partial(run_varlen, varlen_shape),
-                 paged=functools.partial(run_paged, paged_shape))
-
+  os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
-  rows, meta = [], {}
-  for case in cases:
-    case_rows, case_meta = runners[case](engine, dtype, args.calls)
-    print(HEADER)
-    for r in case_rows:
-      print_row(r)
-    rows.extend(case_rows)
-    meta.update({f"{case}_{k}": v for k, v in case_meta.items()})
+  rows, meta = collect(cases, args.quick, args.calls, args.out)
   elapsed = time.perf_counter() - start
-  verdicts = targets(rows, args.quick)
-  print("\n".join(verdicts))
-  json_path = write_results(
-      args.out, "sdpa_features", rows, quick=args.quick, engine=engine, calls=args.calls,
-      seconds=elapsed, targets=verdicts, cache_info=cudnn_jax.cache_info(),
-      varlen_shape=dataclasses.asdict(varlen_shape),
-      paged_shape=dataclasses.asdict(paged_shape), **meta)
-  png_path = os.path.join(args.out, "sdpa_features.png")
-  plot(rows, png_path, with_target=not args.quick)
-  print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")
+  json_path = write_results(args.out, "sdpa_features", rows, quick=args.quick,
+                            seconds=elapsed, cache_info=cudnn_jax.cache_info(), **meta)
+  print(f"{elapsed:.0f} s; wrote {json_path} and {os.path.join(args.out, 'sdpa_features.png')}")
 
 
 if __name__ == "__main__":

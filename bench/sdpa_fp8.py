@@ -135,23 +135,16 @@ def plot(rows, path):
   plt.close(fig)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
-  parser.add_argument("--quick", action="store_true", help="a tiny shape (smoke test)")
-  args = parser.parse_args()
-  if jax.default_backend() != "gpu" and not args.quick:
-    parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
-                 "use --quick for a smoke test")
-  if not args.quick:
+def collect(quick, out):
+  """Runs the table, prints it and the target's verdict, writes DIR/sdpa_fp8.png;
+  (rows, meta) for a results file."""
+  if not quick:
     probe = jax.ShapeDtypeStruct((1, 4096, HEADS, HEAD_DIM), jnp.float8_e4m3fn)
     print(cudnn_jax.explain("sdpa_fp8", probe, probe, probe,
                             **{k: jnp.float32(v) for k, v in SCALES.items()},
                             out_dtype=jnp.float8_e4m3fn, is_causal=True))
   print(f"{'S':>6} {'causal':>6} {'pass':>8} {'engine':<20} {'ms':>9} {'TFLOP/s':>8}")
-  start = time.perf_counter()
-  rows = run(args.quick)
-  elapsed = time.perf_counter() - start
+  rows = run(quick)
   ratios = speedups(rows)
   met = None
   print("\nFP8 (out e4m3) over bf16 sdpa, TFLOP/s:")
@@ -163,15 +156,27 @@ def main():
     met = min(forward) >= TARGET
     print(f"target: FP8 forward >= {TARGET}x bf16 forward at S >= 8k: "
           f"{'met' if met else 'NOT met'} (lowest {min(forward):.2f}x)")
+  plot(rows, os.path.join(out, "sdpa_fp8.png"))
+  speedup_names = {f"{s}/{'causal' if c else 'full'}/{'fwd+bwd' if b else 'fwd'}": v
+                   for (s, c, b), v in ratios.items()}
+  return rows, dict(target=TARGET, target_met=met, speedups=speedup_names)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--quick", action="store_true", help="a tiny shape (smoke test)")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu" and not args.quick:
+    parser.error(f"the full benchmark needs a GPU (backend is {jax.default_backend()!r}); "
+                 "use --quick for a smoke test")
+  os.makedirs(args.out, exist_ok=True)
+  start = time.perf_counter()
+  rows, meta = collect(args.quick, args.out)
+  elapsed = time.perf_counter() - start
   json_path = write_results(args.out, "sdpa_fp8", rows, quick=args.quick, seconds=elapsed,
-                            target=TARGET, target_met=met,
-                            speedups={f"{s}/{'causal' if c else 'full'}/"
-                                      f"{'fwd+bwd' if b else 'fwd'}": v
-                                      for (s, c, b), v in ratios.items()},
-                            cache_info=cudnn_jax.cache_info())
-  png_path = os.path.join(args.out, "sdpa_fp8.png")
-  plot(rows, png_path)
-  print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")
+                            cache_info=cudnn_jax.cache_info(), **meta)
+  print(f"{elapsed:.0f} s; wrote {json_path} and {os.path.join(args.out, 'sdpa_fp8.png')}")
 
 
 if __name__ == "__main__":
