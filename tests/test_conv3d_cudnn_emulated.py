@@ -98,6 +98,26 @@ def test_float32_out_keeps_float32_precision(emulated):
   assert err < 1e-4, err
 
 
+def test_l2_norm_of_a_zero_pixel_sends_wgrad_finite_cotangents(emulated, monkeypatch):
+  """Output rows that see only padding (no bias, no residual) are 0: the l2 norm's clamp
+  holds there, and no NaN from sqrt's derivative at 0 may reach the wgrad graph, which
+  multiplies it by the padding's zeros (the CPU's convolution skips those; cuDNN's not)."""
+  arrays, kwargs = case(spatial=(2, 4, 5), kernel=(1, 3, 3), norm="l2", activation="relu",
+                        padding=((1, 2), (2, 2), (1, 0)))
+  del arrays["bias"]
+  emulated("conv3d", "cudnn")
+  wgrad = prim.wgrad
+
+  def checked_wgrad(config, x, dy):
+    assert np.all(np.isfinite(np.asarray(dy))), "the wgrad's cotangent"
+    return wgrad(config, x, dy)
+  monkeypatch.setattr(prim, "wgrad", checked_wgrad)
+  call = functools.partial(cudnn_jax.conv3d, **kwargs)
+  grads = jax.grad(lambda a: jnp.sum(call(**a) ** 2))(arrays)
+  for name, g in grads.items():
+    assert np.all(np.isfinite(np.asarray(g))), name
+
+
 def test_vmap_folds_into_the_batch(emulated):
   """vmapped x (folded into the graph's batch), vmapped weights (the contract vmapped), and
   per-example weight gradients (one wgrad per vmapped example)."""

@@ -18,7 +18,8 @@ def channel_normalize(y, sum_sq, norm, eps):
   channels = y.shape[-1]
   if norm == "rms":
     return y * jax.lax.rsqrt(sum_sq / channels + eps)
-  return y * jnp.sqrt(channels) / jnp.maximum(jnp.sqrt(sum_sq), eps)
+  # max(sqrt(s), eps) as sqrt(max(s, eps^2)): the same value, no NaN gradient at s = 0.
+  return y * jnp.sqrt(channels) / jnp.sqrt(jnp.maximum(sum_sq, eps * eps))
 
 
 def normalize(y, norm, num_groups, eps):
