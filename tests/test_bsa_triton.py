@@ -31,7 +31,7 @@ def interpreted():
   original = engines.engine("bsa", "triton")
   engines.register_engine(
       "bsa", "triton", opt_in=True,
-      supports=lambda c: triton_bsa.supports(c.block_size, c.h, c.hv, c.dtype),
+      supports=lambda c: triton_bsa.supports(c.block_size, c.h, c.hv, c.dtype, interpret=True),
       run=functools.partial(ops_bsa._run_triton, interpret=True))  # pylint: disable=protected-access
   yield
   engines.register_engine("bsa", "triton", supports=original.supports, run=original.run,
@@ -227,6 +227,9 @@ def test_verdicts(monkeypatch):
     text = cudnn_jax.explain("bsa", *case, block_size=size, implementation="triton")
     assert f"triton: declines: {why}" in text
   assert "dtype float64" in triton_bsa.supports(64, 64, 64, "float64")
+  assert "shared memory" in triton_bsa.supports(128, 64, 128, "float32")
+  assert triton_bsa.supports(128, 64, 128, "float32", interpret=True) is None
+  assert triton_bsa.supports(64, 128, 128, "float32") is None
 
 
 def test_kernels_lower_to_triton_for_sm90():

@@ -31,14 +31,18 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def supports(block_size, h, hv, dtype) -> str | None:
-  """None when the kernels serve these sizes, else why not."""
+def supports(block_size, h, hv, dtype, interpret=False) -> str | None:
+  """None when the kernels serve these sizes (on a GPU, or in the interpreter), else why
+  not."""
   if block_size not in BLOCK_SIZES:
     return f"block_size={block_size}: the kernels take {BLOCK_SIZES}"
   if h not in HEAD_DIMS or hv not in HEAD_DIMS:
     return f"head dims H={h}, Hv={hv}: the kernels take {HEAD_DIMS}"
   if dtype not in DTYPES:
     return f"dtype {dtype}: the kernels take {', '.join(DTYPES)}"
+  if not interpret and dtype == "float32" and block_size == 128 and max(h, hv) == 128:
+    return ("float32 at block size 128 and head dim 128: the kernels' tiles exceed an SM's "
+            "shared memory (block size 64 or bfloat16/float16 inputs fit)")
   return None
 
 
