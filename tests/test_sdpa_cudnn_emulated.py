@@ -111,8 +111,50 @@ def test_sdpa_sinks_and_their_gradient(cudnn_serves, lengths):
     assert _rel(a, b) < 1e-5, name
 
 
+def _query_rows_seen(monkeypatch, name):
+  """The T of every query the primitive ``name`` is called with, appended as it is."""
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  seen, original = [], getattr(prim, name)
+
+  def recording(config, *args, **kwargs):
+    seen.append(args[1 if name == "attention" else 0].shape[1])
+    return original(config, *args, **kwargs)
+  monkeypatch.setattr(prim, name, recording)
+  return seen
+
+
+@pytest.mark.parametrize("causal,alignment,lengths", [
+    (False, "top_left", False), (True, "top_left", False), (True, "bottom_right", False),
+    (True, "bottom_right", True), (True, "bottom_right", "one key")])
+def test_one_query_row_with_sinks_goes_in_twice(cudnn_serves, monkeypatch, causal,
+                                                alignment, lengths):
+  """cuDNN serves sinks with two or more query rows only: a single row goes in repeated,
+  and the row whose keys are the single row's answers (values and every gradient)."""
+  rng = np.random.default_rng(4)
+  s_len = 1 if lengths == "one key" else 9
+  q, k, v = (_normal(rng, (3, 1, 4, 16)), _normal(rng, (3, s_len, 2, 16)),
+             _normal(rng, (3, s_len, 2, 16)))
+  sinks = _normal(rng, (4,))
+  q_len = jnp.asarray([1, 0, 1], jnp.int32) if lengths is True else None
+  kv_len = jnp.asarray([9, 4, 0], jnp.int32) if lengths is True else None
+
+  def run(q, k, v, s):
+    return cudnn_jax.sdpa(q, k, v, is_causal=causal, causal_alignment=alignment, sinks=s,
+                          query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                          return_lse=True)
+
+  seen = _query_rows_seen(monkeypatch, "attention")
+  (want, want_grads), (got, grads) = _both(run, (q, k, v, sinks), "sdpa", cudnn_serves,
+                                           [0, 1, 2, 3])
+  assert seen and set(seen) == {2}, seen
+  for name, a, b in zip(["out", "lse"], got, want):
+    assert a.shape == b.shape and _rel(a, b) < 1e-5, name
+  for name, a, b in zip(["dq", "dk", "dv", "dsinks"], grads, want_grads):
+    assert _rel(a, b) < 1e-5, name
+
+
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill"])
-def test_paged_in_place_matches_the_xla_engine(cudnn_serves, t):
+def test_paged_in_place_matches_the_xla_engine(cudnn_serves, monkeypatch, t):
   rng = np.random.default_rng(2)
   pages, page, b, max_pages = 9, 4, 3, 3
   q = _normal(rng, (b, t, 4, 16))
@@ -124,9 +166,11 @@ def test_paged_in_place_matches_the_xla_engine(cudnn_serves, t):
                                            return_lse=True)
   want = jax.jit(run)(table)
   cudnn_serves("sdpa_paged")
+  seen = _query_rows_seen(monkeypatch, "sdpa_fwd")
   got = jax.jit(lambda tb: run(tb))(table)
+  assert seen == [max(t, 2)]  # decode with sinks: the row goes in twice
   for name, a, c in zip(["out", "lse"], got, want):
-    assert _rel(a, c) < 1e-5, name
+    assert a.shape == c.shape and _rel(a, c) < 1e-5, name
   # An id outside [0, P) among the used pages: masked (the gathered path), never clipped.
   bad = table.at[0, 1].set(pages + 3).at[1, 0].set(-1)
   want_bad = jax.jit(lambda tb: paged_ops._on_sdpa_engine("xla")(  # pylint: disable=protected-access

@@ -402,7 +402,7 @@ def _supports_cudnn(call: SdpaCall) -> str | None:
     from cudnn_jax.ops import sdpa_varlen  # pylint: disable=g-import-not-at-top
     padded, why = _segments_view(call)
     return why or sdpa_varlen.packed_reason(padded)
-  return _cudnn_check(_cudnn_view(call)[0], backward=False)
+  return _cudnn_check(_cudnn_view(single_row_view(call)[0])[0], backward=False)
 
 
 def segment_runs(q_segment_ids, kv_segment_ids, runs):
@@ -474,6 +474,29 @@ def _cudnn_view(call: SdpaCall):
   return call, skip
 
 
+def single_row_view(call: SdpaCall) -> tuple[SdpaCall, int | None]:
+  """(the call cuDNN sees, the row of it that answers the query) for one query row with
+  sinks, which cuDNN serves only with two or more rows: the query goes in twice, and the
+  answer is the row whose keys are the single row's, the second under bottom-right
+  alignment (query lengths one longer), else the first. Other calls: (call, None)."""
+  if not (call.has_sinks and call.t == 1):
+    return call, None
+  if call.bottom_right and call.s == 1 and not (call.has_q_lengths or call.has_kv_lengths):
+    call = dataclasses.replace(call, bottom_right=False)  # one key: the alignments coincide
+  return dataclasses.replace(call, t=2), int(call.bottom_right)
+
+
+def repeat_query(row, query, q_lengths):
+  """single_row_view's inputs: ``query [B,1,N,H]`` twice along T, lengths + ``row``."""
+  return (jnp.concatenate([query, query], axis=1),
+          None if q_lengths is None else q_lengths + row)
+
+
+def answer_row(row, out, lse):
+  """The answering row of ``out [B,2,N,Hv]`` and ``lse [B,N,2]`` (None stays None)."""
+  return out[:, row:row + 1], None if lse is None else lse[:, :, row:row + 1]
+
+
 def _row_valid(call: SdpaCall, x: SdpaInputs):
   """[B,1,T] or [B,N,T] bool: rows that keep at least one key (None when all do).
 
@@ -514,6 +537,10 @@ def _row_valid(call: SdpaCall, x: SdpaInputs):
 def _run_cudnn(call: SdpaCall, x: SdpaInputs):
   if call.has_segments:
     return _run_segments(call, x)
+  call, row = single_row_view(call)
+  if row is not None:
+    query, q_lengths = repeat_query(row, x.query, x.query_seq_lengths)
+    x = x._replace(query=query, query_seq_lengths=q_lengths)
   call, skip = _cudnn_view(call)
   if skip:
     cut = lambda a: a if a is None or a.shape[2] == 1 else a[:, :, skip:]
@@ -523,7 +550,7 @@ def _run_cudnn(call: SdpaCall, x: SdpaInputs):
     out = jnp.pad(out, ((0, 0), (skip, 0), (0, 0), (0, 0)))
     if lse is not None:
       lse = jnp.pad(lse, ((0, 0), (0, 0), (skip, 0)), constant_values=-jnp.inf)
-  return out, lse
+  return (out, lse) if row is None else answer_row(row, out, lse)
 
 
 def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):

@@ -194,39 +194,44 @@ def _on_sdpa_engine(name):
   return run
 
 
-def _in_place_call(call: PagedCall) -> sdpa_ops.SdpaCall:
+def _in_place_call(call: PagedCall) -> tuple[sdpa_ops.SdpaCall, int | None]:
   """The call cuDNN serves reading pages in place: no mask (lengths bound the keys). One
-  query row (decode) sees every key up to its length, causal or not."""
+  query row (decode) sees every key up to its length, causal or not; with sinks it goes
+  in twice (``sdpa_ops.single_row_view``: the second element, the answering row)."""
   native = dataclasses.replace(call.gathered, mask_shape=None)
   if native.t == 1 and native.window is None:
     native = dataclasses.replace(native, is_causal=False, bottom_right=False)
-  return native
+  return sdpa_ops.single_row_view(native)
 
 
 def _in_place_config(call: PagedCall):
-  return sdpa_ops.cudnn_config(_in_place_call(call), paged=True)
+  return sdpa_ops.cudnn_config(_in_place_call(call)[0], paged=True)
 
 
 @functools.lru_cache(maxsize=1024)
 def _paged_reason(call: PagedCall) -> str | None:
   """None when cuDNN serves the call reading pages in place, else why not."""
-  native = _in_place_call(call)
+  native, _ = _in_place_call(call)
   return (sdpa_ops.cudnn_static_reason(native)
           or sdpa_ops.cudnn_check(native, _in_place_config(call), False, call.pages, call.page))
 
 
 def _run_in_place(call: PagedCall, x: PagedInputs):
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
-  native = _in_place_call(call)
-  q_lengths = (x.q_lengths if x.q_lengths is not None
-               else jnp.full(x.kv_lengths.shape, native.t, jnp.int32))
+  native, row = _in_place_call(call)
+  query, q_lengths = x.query, x.q_lengths
+  if row is not None:
+    query, q_lengths = sdpa_ops.repeat_query(row, query, q_lengths)
+  if q_lengths is None:
+    q_lengths = jnp.full(x.kv_lengths.shape, native.t, jnp.int32)
   table = jnp.clip(x.page_table, 0, call.pages - 1)  # ids past the lengths are never read
-  out, *lse = prim.sdpa_fwd(_in_place_config(call), x.query, x.key_cache, x.value_cache, None,
+  out, *lse = prim.sdpa_fwd(_in_place_config(call), query, x.key_cache, x.value_cache, None,
                             q_lengths, x.kv_lengths, page_table=table, sinks=x.sinks)
   lengths = sdpa_ops.SdpaInputs(None, None, None, query_seq_lengths=q_lengths,
                                 key_value_seq_lengths=x.kv_lengths)
   valid = sdpa_ops._row_valid(native, lengths)  # pylint: disable=protected-access
-  return sdpa_ops.select_rows(valid, out, lse[0] if lse else None, x.sinks, q_lengths)
+  out, lse = sdpa_ops.select_rows(valid, out, lse[0] if lse else None, x.sinks, q_lengths)
+  return (out, lse) if row is None else sdpa_ops.answer_row(row, out, lse)
 
 
 def _run_cudnn(call: PagedCall, x: PagedInputs):

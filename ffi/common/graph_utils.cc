@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace cudnn_jax {
@@ -110,19 +111,28 @@ struct Events {
 };
 
 // Milliseconds for kTimedRuns executions of plan `index` after one warm-up, or a
-// negative value when the plan fails to run.
+// negative value when the plan fails to run (then `why` says why).
 float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_t stream,
                 std::unordered_map<int64_t, void*>& tensors, void* workspace, int64_t index,
-                Events& ev) {
-  if (graph.execute_plan_at_index(handle, tensors, workspace, index).is_bad()) return -1.f;
-  if (cudaEventRecord(ev.start, stream) != cudaSuccess) return -1.f;
+                Events& ev, std::string* why) {
+  auto run = [&]() {
+    fe::error_t status = graph.execute_plan_at_index(handle, tensors, workspace, index);
+    if (status.is_bad()) *why = status.get_message();
+    return status.is_good();
+  };
+  auto cuda = [&](cudaError_t e) {
+    if (e != cudaSuccess) *why = cudaGetErrorString(e);
+    return e == cudaSuccess;
+  };
+  if (!run() || !cuda(cudaEventRecord(ev.start, stream))) return -1.f;
   for (int i = 0; i < kTimedRuns; ++i) {
-    if (graph.execute_plan_at_index(handle, tensors, workspace, index).is_bad()) return -1.f;
+    if (!run()) return -1.f;
   }
-  if (cudaEventRecord(ev.stop, stream) != cudaSuccess) return -1.f;
-  if (cudaEventSynchronize(ev.stop) != cudaSuccess) return -1.f;
+  if (!cuda(cudaEventRecord(ev.stop, stream)) || !cuda(cudaEventSynchronize(ev.stop))) {
+    return -1.f;
+  }
   float ms = -1.f;
-  if (cudaEventElapsedTime(&ms, ev.start, ev.stop) != cudaSuccess) return -1.f;
+  if (!cuda(cudaEventElapsedTime(&ms, ev.start, ev.stop))) return -1.f;
   return ms;
 }
 
@@ -173,8 +183,11 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
   }
   const Candidate* best = nullptr;
   float best_ms = std::numeric_limits<float>::max();
+  std::string first_failure;
   for (const Candidate& c : candidates) {
-    float ms = time_plan(*c.graph, handle, stream, tensors, scratch, c.index, ev);
+    std::string why;
+    float ms = time_plan(*c.graph, handle, stream, tensors, scratch, c.index, ev, &why);
+    if (ms < 0.f && first_failure.empty()) first_failure = why;
     if (ms >= 0.f && ms < best_ms) {
       best_ms = ms;
       best = &c;
@@ -183,7 +196,10 @@ ffi::Error choose_plan(CachedPlan& plan, cudnnHandle_t handle, cudaStream_t stre
   // A failed run can leave a sticky error on the stream's context; clear a non-sticky one.
   cudaGetLastError();
   if (best == nullptr) {
-    return internal_error(stage_message(op, "autotune", "no candidate plan executed"));
+    return internal_error(stage_message(
+        op, "autotune",
+        "no candidate plan executed (" + std::to_string(candidates.size()) +
+            " tried; the first failed with: " + first_failure + ")"));
   }
   keep(*best);
   return ffi::Error::Success();
