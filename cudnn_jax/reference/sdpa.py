@@ -45,6 +45,29 @@ def band_keep(t_idx, u_idx, q_len, kv_len, *, is_causal, bottom_right, window):
   return keep
 
 
+def scaled_logits(query, key, scale, *, bias=None, logits_soft_cap=None, precision=None):
+  """``[B,N,T,S]`` float32: ``scale * q.k`` (each kv head shared by its group of query
+  heads), plus ``bias``, soft-capped as ``c * tanh(x / c)``."""
+  b, t, n, h = query.shape
+  s, k = key.shape[1], key.shape[2]
+  logits = jnp.einsum("btkgh,bskh->bkgts", query.reshape(b, t, k, n // k, h), key,
+                      precision=precision, preferred_element_type=jnp.float32)
+  logits = logits.reshape(b, n, t, s) * jnp.float32(scale)
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if logits_soft_cap is not None:
+    c = jnp.float32(logits_soft_cap)
+    logits = c * jnp.tanh(logits / c)
+  return logits
+
+
+def lengths_or_full(b, t, s, query_seq_lengths, key_value_seq_lengths):
+  """``(q_len, kv_len)`` [B] int32: the given lengths, T and S where absent."""
+  full = lambda n: jnp.full((b,), n, jnp.int32)
+  return (full(t) if query_seq_lengths is None else query_seq_lengths.astype(jnp.int32),
+          full(s) if key_value_seq_lengths is None else key_value_seq_lengths.astype(jnp.int32))
+
+
 def sdpa(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
          bottom_right=False, window=None, query_seq_lengths=None,
          key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None,
@@ -55,20 +78,9 @@ def sdpa(query, key, value, bias=None, mask=None, *, scale, is_causal=False,
   g = n // k
   prec = matmul_precision(query.dtype)
 
-  q = query.reshape(b, t, k, g, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, key, precision=prec,
-                      preferred_element_type=jnp.float32)
-  logits = logits.reshape(b, n, t, s) * jnp.float32(scale)
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  if logits_soft_cap is not None:
-    c = jnp.float32(logits_soft_cap)
-    logits = c * jnp.tanh(logits / c)
-
-  q_len = (jnp.full((b,), t, jnp.int32) if query_seq_lengths is None
-           else query_seq_lengths.astype(jnp.int32))
-  kv_len = (jnp.full((b,), s, jnp.int32) if key_value_seq_lengths is None
-            else key_value_seq_lengths.astype(jnp.int32))
+  logits = scaled_logits(query, key, scale, bias=bias, logits_soft_cap=logits_soft_cap,
+                         precision=prec)
+  q_len, kv_len = lengths_or_full(b, t, s, query_seq_lengths, key_value_seq_lengths)
   keep = band_keep(jnp.arange(t), jnp.arange(s), q_len, kv_len, is_causal=is_causal,
                    bottom_right=bottom_right, window=window)
   if mask is not None:

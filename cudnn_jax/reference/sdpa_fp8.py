@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax.reference.sdpa import band_keep
+from cudnn_jax.reference.sdpa import band_keep, lengths_or_full, scaled_logits
 
 # The probabilities' fixed quantization scale: e * P_SCALE lies in [0, 256], inside e4m3's
 # range (448), and a power of two makes scale and descale exact, so e down to 2^-17 keeps
@@ -57,15 +57,8 @@ def attention(q, k, v, *, scale, is_causal=False, bottom_right=False, window=Non
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
   hi = jax.lax.Precision.HIGHEST
-  logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, kh, g, h), k, precision=hi)
-  logits = logits.reshape(b, n, t, s) * jnp.float32(scale)
-  if logits_soft_cap is not None:
-    c = jnp.float32(logits_soft_cap)
-    logits = c * jnp.tanh(logits / c)
-  q_len = (jnp.full((b,), t, jnp.int32) if query_seq_lengths is None
-           else query_seq_lengths.astype(jnp.int32))
-  kv_len = (jnp.full((b,), s, jnp.int32) if key_value_seq_lengths is None
-            else key_value_seq_lengths.astype(jnp.int32))
+  logits = scaled_logits(q, k, scale, logits_soft_cap=logits_soft_cap, precision=hi)
+  q_len, kv_len = lengths_or_full(b, t, s, query_seq_lengths, key_value_seq_lengths)
   keep = band_keep(jnp.arange(t), jnp.arange(s), q_len, kv_len, is_causal=is_causal,
                    bottom_right=bottom_right, window=window)
   logits = jnp.where(keep, logits, -jnp.inf)
