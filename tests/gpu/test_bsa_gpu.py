@@ -10,7 +10,6 @@ runs bit-identical), and a long sequence. Outputs start NaN-filled
 import collections
 import dataclasses
 import functools
-import json
 import os
 import time
 
@@ -20,6 +19,8 @@ import numpy as np
 import pytest
 
 import cudnn_jax
+import gpu_sweep
+from gpu_sweep import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -91,12 +92,6 @@ def run(c: Case, arrays, meta, cts, implementation):
 
   grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*arrays)
   return tuple(np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, lse, *grads))
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  denom = np.linalg.norm(b)
-  return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
 
 
 def compare(c: Case, seed):
@@ -213,29 +208,21 @@ def random_case(rng) -> Case:
 def sweep_cases():
   rng = np.random.default_rng(20261205)
   count = int(os.environ.get("CUDNN_JAX_SWEEP_N", "60"))
-  cases = [(random_case(rng), seed) for seed in range(count)]
-  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
-  return cases[index::shards]
+  return gpu_sweep.shard([(random_case(rng), seed) for seed in range(count)])
 
 
 def test_random_sweep(capsys):
-  records = []
-  for c, seed in sweep_cases():
-    record = dict(config=f"bsa {dataclasses.asdict(c)}", seed=seed)
-    try:
+  def case(c, seed):
+    def run():
       errors, problems, seconds = compare(c, seed)
-    except Exception as e:  # pylint: disable=broad-except
-      record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
-    else:
-      record.update(status="failed" if problems else "ok", errors=errors, problems=problems,
-                    seconds=dict(triton=seconds))
-    records.append(record)
-    with capsys.disabled():  # progress, so a run cut short still reports what it did
-      print(json.dumps(record, default=str), flush=True)
-    jax.clear_caches()
+      return errors, problems, dict(triton=seconds)
+    return dict(config=f"bsa {dataclasses.asdict(c)}", seed=seed), run
 
+  records = gpu_sweep.run([case(*c) for c in sweep_cases()], capsys,
+                          os.environ.get("CUDNN_JAX_SWEEP_LOG"))
   status = collections.Counter(r["status"] for r in records)
   failed = [r for r in records if r["status"] == "failed"]
   with capsys.disabled():
     print(f"\nbsa triton sweep: {dict(status)}")
-  assert records and not failed, "\n".join(f"{r['config']}: {r['problems']}" for r in failed)
+  assert not failed, "\n".join(f"{r['config']}: {r['problems']}" for r in failed)
+  assert any(r["status"] == "ok" for r in records), f"the triton engine served nothing: {status}"

@@ -11,7 +11,6 @@ vmap, a batch-sharded call, and the flax blocks' default engine. Outputs are poi
 import collections
 import dataclasses
 import functools
-import json
 import os
 
 import jax
@@ -23,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import cudnn_jax
 from mesh_cases import mesh_or_skip
 from conv3d_oracle import oracle
+import gpu_sweep
+from gpu_sweep import Declined, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -141,18 +142,8 @@ def engine_fns(cfg: Config, implementation):
   return jax.jit(forward), jax.jit(with_grads)
 
 
-def rel_err(actual, expected):
-  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  b = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def all_finite(x):
   return bool(np.all(np.isfinite(np.asarray(jnp.asarray(x, jnp.float32)))))
-
-
-class Declined(Exception):
-  pass
 
 
 def compare(cfg: Config, seed=0, with_oracle=None):
@@ -391,11 +382,7 @@ def random_config(rng, common=False):
 def sweep_configs():
   rng = np.random.default_rng(20250307)
   count = int(os.environ.get("CUDNN_JAX_SWEEP_N", "120"))
-  configs = [random_config(rng, common=i % 8 == 0) for i in range(count)]
-  # CUDNN_JAX_SWEEP_SHARD="i/n": this process takes every n-th configuration from the i-th,
-  # so n processes can share the sweep (compilation dominates its run time).
-  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
-  return list(enumerate(configs))[index::shards]
+  return gpu_sweep.shard([(i, random_config(rng, common=i % 8 == 0)) for i in range(count)])
 
 
 def summary(records):
@@ -421,28 +408,15 @@ def summary(records):
 
 
 def test_conv3d_random_sweep(capsys):
-  records = []
-  for seed, cfg in sweep_configs():
+  def case(seed, cfg):
     record = dict(config=cfg.describe(), seed=seed, common=cfg.common)
-    try:
-      errors, problems = compare(cfg, seed)
-    except Declined as e:
-      record.update(status="declined", reason=str(e))
-    except Exception as e:  # pylint: disable=broad-except
-      record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
-    else:
-      record.update(status="failed" if problems else "ok", errors=errors, problems=problems)
-    records.append(record)
-    with capsys.disabled():  # progress, so a run cut short still reports what it did
-      print(json.dumps(record, default=str), flush=True)
-    jax.clear_caches()  # a hundred distinct programs: keep compiled executables bounded
+    return record, lambda: (*compare(cfg, seed), None)
 
+  records = gpu_sweep.run([case(*c) for c in sweep_configs()], capsys,
+                          os.environ.get("CUDNN_JAX_SWEEP_LOG"))
   text = summary(records)
   with capsys.disabled():
     print("\n" + text)
-  if os.environ.get("CUDNN_JAX_SWEEP_LOG"):
-    with open(os.environ["CUDNN_JAX_SWEEP_LOG"], "w") as f:
-      json.dump(records, f, indent=1, default=str)
 
   failed = [r for r in records if r["status"] == "failed"]
   common_declined = [r for r in records if r["common"] and r["status"] == "declined"]
@@ -450,5 +424,5 @@ def test_conv3d_random_sweep(capsys):
   assert not failed, f"{len(failed)} of {len(records)} configurations failed:\n{text}"
   assert not common_declined, (
       "the cudnn engine declined common configurations (3x3x3, SAME/CAUSAL, stride 1, "
-      f"bf16, 128 channels):\n" + "\n".join(f"{r['config']}: {r['reason']}"
+      "bf16, 128 channels):\n" + "\n".join(f"{r['config']}: {r['reason']}"
                                            for r in common_declined))

@@ -13,6 +13,7 @@ import pytest
 
 import cudnn_jax
 import gemm_oracle as oracle
+from gpu_sweep import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -22,11 +23,6 @@ REL_TOL = 2e-2  # ||a - b|| / ||b||
 # make a norm-wise error of about sqrt(their fraction), a few percent in bf16.
 KINK_GRAD_TOL = 8e-2
 KINKED = ("relu", "srelu", "reglu")
-
-
-def rel_err(actual, expected):
-  a, b = oracle.f64(actual), np.asarray(expected, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def random_case(rng):

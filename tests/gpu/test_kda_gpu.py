@@ -5,22 +5,16 @@ K = V = 128, bf16."""
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from gpu_sweep import rel_err
 from kda_cases import (Config, check_gradients, check_intra_kernel, make_case, run,
                        run_oracle)
 
 pytestmark = pytest.mark.gpu
 
 REL_TOL = {"float32": 1e-4, "bfloat16": 2e-2}  # ||a - b|| / ||b||
-
-
-def rel_err(actual, expected):
-  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  return float(np.linalg.norm(a - expected) / np.linalg.norm(expected))
 
 
 CASES = [

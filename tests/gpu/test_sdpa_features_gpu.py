@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import os
 import time
 from typing import Any, Callable
@@ -32,6 +31,8 @@ import numpy as np
 import pytest
 
 import cudnn_jax
+import gpu_sweep
+from gpu_sweep import Declined, lse_err, rel_err
 from sdpa_oracle import (Config, cotangent, differentiable, keep_mask, keep_of, make_case,
                          oracle, oracle_vjp, paged_case, random_config, varlen_case)
 
@@ -43,23 +44,6 @@ LSE_TOL = 2e-2  # max |a - b| over finite lse entries
 # between runs (atomics); anything beyond rounding is a bug.
 REPEAT_TOL = 1e-3
 INT32 = np.iinfo(np.int32)
-
-
-def rel_err(actual, expected):
-  a = np.asarray(actual, np.float64)
-  b = np.asarray(expected, np.float64)
-  denom = np.linalg.norm(b)
-  diff = np.linalg.norm(a - b)
-  return float(diff / denom) if denom > 0 else float(diff)
-
-
-def lse_err(actual, expected):
-  """Max |a - b| over finite entries; inf when the -inf entries disagree."""
-  a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  if not np.array_equal(np.isneginf(a), np.isneginf(b)):
-    return float("inf")
-  finite = np.isfinite(b)
-  return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0))
 
 
 def _window_pair(window):
@@ -112,10 +96,6 @@ class Case:
   empty_rows: np.ndarray
   # Boolean over key rows that no served sequence owns (dkey and dvalue 0); None: all owned.
   unowned_kv: np.ndarray | None = None
-
-
-class Declined(Exception):
-  pass
 
 
 @dataclasses.dataclass
@@ -682,11 +662,8 @@ def sweep_cases(op):
   """[(config, seed)] of ``op``'s share of the sweep, this process's shard of it."""
   count = int(os.environ.get("CUDNN_JAX_FEATURES_SWEEP_N", "240"))
   rng = np.random.default_rng(20261205 + sorted(GENERATORS).index(op))
-  cases = [(GENERATORS[op](rng, bool(rng.random() < COMMON_FRACTION)), seed)
-           for seed in range(max(1, round(SHARE[op] * count)))]
-  # CUDNN_JAX_SWEEP_SHARD="i/n": this process takes every n-th case from the i-th.
-  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
-  return cases[index::shards]
+  return gpu_sweep.shard([(GENERATORS[op](rng, bool(rng.random() < COMMON_FRACTION)), seed)
+                          for seed in range(max(1, round(SHARE[op] * count)))])
 
 
 def _summary(op, records):
@@ -707,7 +684,8 @@ def _summary(op, records):
     for name, value in r.get("errors", {}).items():
       checked[name] += 1
       worst[name] = max(worst[name], value)
-    for name in {name for name, _ in r.get("problems", [])}:
+    for name in {p[0] if isinstance(p, (list, tuple)) else "error"
+                 for p in r.get("problems", [])}:
       mismatched[name] += 1
   lines.append(f"  {'quantity':<12} {'checked':>8} {'mismatched':>11} {'max error':>10}")
   for name in sorted(set(checked) | set(mismatched)):
@@ -715,37 +693,25 @@ def _summary(op, records):
                  f"{worst.get(name, float('nan')):>10.2e}")
   for r in records:
     if r["status"] == "failed":
-      lines.append(f"  FAILED seed {r['seed']} {r['config']}: "
-                   + "; ".join(m for _, m in r["problems"]))
+      lines.append(f"  FAILED seed {r['seed']} {r['config']}: " + "; ".join(
+          p[1] if isinstance(p, (list, tuple)) else p for p in r["problems"]))
   return "\n".join(lines)
 
 
 @pytest.mark.parametrize("op", sorted(GENERATORS))
 def test_random_sweep_features(op, capsys):
-  records = []
-  for cfg, seed in sweep_cases(op):
-    record = dict(config=cfg.describe(), op=op, seed=seed, common=cfg.common)
-    try:
+  def case(cfg, seed):
+    def run():
       res = compare(cfg.build(seed), seed)
-    except Declined as e:
-      record.update(status="declined", reason=str(e))
-    except Exception as e:  # pylint: disable=broad-except
-      record.update(status="failed", problems=[("error", f"{type(e).__name__}: {e}"[:500])])
-    else:
-      record.update(status="failed" if res.problems else "ok", errors=res.errors,
-                    problems=res.problems, seconds=res.seconds)
-    records.append(record)
-    with capsys.disabled():  # progress, so a run cut short still reports what it did
-      print(json.dumps(record, default=str), flush=True)
-    jax.clear_caches()  # hundreds of distinct shapes: keep compiled executables bounded
+      return res.errors, res.problems, res.seconds
+    return dict(config=cfg.describe(), op=op, seed=seed, common=cfg.common), run
 
+  log = os.environ.get("CUDNN_JAX_FEATURES_SWEEP_LOG")
+  records = gpu_sweep.run([case(*c) for c in sweep_cases(op)], capsys,
+                          log and log.replace(".json", f"_{op}.json"))
   summary = _summary(op, records)
   with capsys.disabled():
     print("\n" + summary)
-  if os.environ.get("CUDNN_JAX_FEATURES_SWEEP_LOG"):
-    path = os.environ["CUDNN_JAX_FEATURES_SWEEP_LOG"].replace(".json", f"_{op}.json")
-    with open(path, "w") as f:
-      json.dump(records, f, indent=1, default=str)
 
   failed = [r for r in records if r["status"] == "failed"]
   common_declined = [r for r in records if r["common"] and r["status"] == "declined"]

@@ -18,6 +18,8 @@ import pytest
 
 import cudnn_jax
 from cudnn_jax.ops import sdpa_fp8 as op
+import gpu_sweep
+from gpu_sweep import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +29,6 @@ pytestmark = pytest.mark.gpu
 OUT_TOL = {"float8_e4m3fn": 8e-2, "bfloat16": 4e-2}
 AMAX_TOL = 4e-2  # relative
 GRAD_TOL = 6e-2
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  denom = np.linalg.norm(b)
-  return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a))
 
 
 def make_case(rng, b, t, s, n, k, h, hv):
@@ -91,34 +87,27 @@ def compare(shape, out_dtype, kwargs, seed):
 
 def test_fp8_random_sweep(capsys):
   rng = np.random.default_rng(2024)
-  records = []
-  for i in range(int(os.environ.get("CUDNN_JAX_FP8_SWEEP_N", "40"))):
-    shape, out_dtype, kwargs = random_config(rng)
-    record = dict(shape=shape, out_dtype=out_dtype,
+  configs = [(i, *random_config(rng))
+             for i in range(int(os.environ.get("CUDNN_JAX_FP8_SWEEP_N", "40")))]
+
+  def case(seed, shape, out_dtype, kwargs):
+    record = dict(shape=shape, out_dtype=out_dtype, seed=seed,
                   kwargs={key: np.asarray(x).tolist() for key, x in kwargs.items()})
-    try:
+
+    def run():
       q, k, v, scales = make_case(np.random.default_rng(0), **shape)
       call = op.prepare(q, k, v, **scales, out_dtype=out_dtype, **kwargs)[0]
       record["backward"] = op.backward_path(call) if op._supports_cudnn(call) is None else None
-      errors, problems = compare(shape, out_dtype, kwargs, seed=i)
-    except cudnn_jax.UnsupportedError as e:
-      record.update(status="declined", reason=str(e)[:300])
-    except Exception as e:  # pylint: disable=broad-except
-      record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
-    else:
-      record.update(status="failed" if problems else "ok", errors=errors, problems=problems)
-    records.append(record)
-    with capsys.disabled():
-      print(json.dumps(record, default=str), flush=True)
-    jax.clear_caches()
+      return (*compare(shape, out_dtype, kwargs, seed), None)
+    return record, run
+
+  records = gpu_sweep.run([case(*c) for c in gpu_sweep.shard(configs)], capsys,
+                          os.environ.get("CUDNN_JAX_SWEEP_LOG"))
   counts = collections.Counter(r["status"] for r in records)
   reasons = collections.Counter(r.get("reason", "")[:120] for r in records
                                 if r["status"] == "declined")
   with capsys.disabled():
     print(f"\nsdpa_fp8 sweep: {dict(counts)}; declines: {dict(reasons)}")
-  if os.environ.get("CUDNN_JAX_SWEEP_LOG"):
-    with open(os.environ["CUDNN_JAX_SWEEP_LOG"], "w") as f:
-      json.dump(records, f, indent=1, default=str)
   failed = [r for r in records if r["status"] == "failed"]
   assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
   # On Hopper and newer, cuDNN serves fp8-out calls with H of 64 or 128 and no

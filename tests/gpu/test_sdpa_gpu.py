@@ -7,7 +7,6 @@ tests. Set CUDNN_JAX_SWEEP_LOG=path.json to keep the per-configuration errors.
 import collections
 import dataclasses
 import functools
-import json
 import os
 import time
 
@@ -17,6 +16,8 @@ import numpy as np
 import pytest
 
 import cudnn_jax
+import gpu_sweep
+from gpu_sweep import Declined, lse_err, rel_err
 from sdpa_oracle import (Config, cotangent, differentiable, keep_of, make_case, oracle,
                          oracle_vjp, random_config)
 
@@ -28,27 +29,6 @@ REL_TOL = 2e-2  # ||a - b|| / ||b|| for out and every gradient
 LSE_TOL = 2e-2  # max |a - b| over finite lse entries
 ORACLE_MAX_ELEMENTS = 4_000_000  # B*N*T*S up to which the float64 oracle is also checked
 MAX_PLAIN_DECLINED = 0.25
-
-
-def rel_err(actual, expected):
-  a = np.asarray(actual, np.float64)
-  b = np.asarray(expected, np.float64)
-  denom = np.linalg.norm(b)
-  diff = np.linalg.norm(a - b)
-  return float(diff / denom) if denom > 0 else float(diff)
-
-
-def lse_err(actual, expected):
-  """Max |a - b| over finite entries; inf when -inf entries disagree."""
-  a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  if not np.array_equal(np.isneginf(a), np.isneginf(b)):
-    return float("inf")
-  finite = np.isfinite(b)
-  return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0))
-
-
-class Declined(Exception):
-  pass
 
 
 @dataclasses.dataclass
@@ -263,11 +243,8 @@ def sweep_configs():
   rng = np.random.default_rng(20240611)
   count = int(os.environ.get("CUDNN_JAX_SWEEP_N", "200"))
   configs = [random_config(rng) for _ in range(count)]
-  cases = [(cfg, seed, bool(rng.random() < 0.1)) for seed, cfg in enumerate(configs)]
-  # CUDNN_JAX_SWEEP_SHARD="i/n": this process takes every n-th case from the i-th, so n
-  # processes can share the sweep (compilation dominates its run time).
-  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
-  return cases[index::shards]
+  return gpu_sweep.shard([(cfg, seed, bool(rng.random() < 0.1))
+                          for seed, cfg in enumerate(configs)])
 
 
 def _summary(records):
@@ -289,29 +266,17 @@ def _summary(records):
 
 
 def test_random_sweep(capsys):
-  records = []
-  for cfg, seed, with_lse in sweep_configs():
-    record = dict(config=cfg.describe(), seed=seed, lse_cotangent=with_lse, plain=cfg.plain)
-    try:
+  def case(cfg, seed, with_lse):
+    def run():
       res = compare(cfg, seed, with_lse_cotangent=with_lse)
-    except Declined as e:
-      record.update(status="declined", reason=str(e))
-    except Exception as e:  # pylint: disable=broad-except
-      record.update(status="failed", problems=[f"{type(e).__name__}: {e}"[:500]])
-    else:
-      record.update(status="failed" if res.problems else "ok", errors=res.errors,
-                    problems=res.problems, seconds=res.seconds)
-    records.append(record)
-    with capsys.disabled():  # progress, so a run cut short still reports what it did
-      print(json.dumps(record, default=str), flush=True)
-    jax.clear_caches()  # hundreds of distinct shapes: keep compiled executables bounded
+      return res.errors, res.problems, res.seconds
+    return dict(config=cfg.describe(), seed=seed, lse_cotangent=with_lse, plain=cfg.plain), run
 
+  records = gpu_sweep.run([case(*c) for c in sweep_configs()], capsys,
+                          os.environ.get("CUDNN_JAX_SWEEP_LOG"))
   summary = _summary(records)
   with capsys.disabled():
     print("\n" + summary)
-  if os.environ.get("CUDNN_JAX_SWEEP_LOG"):
-    with open(os.environ["CUDNN_JAX_SWEEP_LOG"], "w") as f:
-      json.dump(records, f, indent=1, default=str)
 
   failed = [r for r in records if r["status"] == "failed"]
   plain = [r for r in records if r["plain"]]
