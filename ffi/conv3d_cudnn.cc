@@ -187,40 +187,19 @@ void add_wgrad(Graph& graph, const Conv3dConfig& c, fe::DataType_t io) {
 }
 
 std::shared_ptr<CachedPlan> build_plan(const Conv3dConfig& c, int device, DeviceHandle& handle) {
-  auto plan = std::make_shared<CachedPlan>();
-  const char* op = op_name(c);
-  try {
-    if (std::string why = config_error(c); !why.empty()) {
-      plan->error = stage_message(op, "config", why);
-      return plan;
-    }
-    std::string err;
-    int sm = sm_version(device, &err);
-    if (sm < 0) {
-      plan->error = stage_message(op, "device", err);
-      return plan;
-    }
-    const fe::DataType_t io = *to_cudnn_dtype(c.dtype);
-    auto graph = new_graph(io, sm);
+  const std::optional<fe::DataType_t> io = to_cudnn_dtype(c.dtype);
+  auto add = [&](Graph& graph) {
     switch (c.pass) {
-      case Conv3dPass::kForward: add_forward(*graph, c, io); break;
-      case Conv3dPass::kDgrad: add_dgrad(*graph, c, io); break;
-      case Conv3dPass::kWgrad: add_wgrad(*graph, c, io); break;
+      case Conv3dPass::kForward: add_forward(graph, c, *io); break;
+      case Conv3dPass::kDgrad: add_dgrad(graph, c, *io); break;
+      case Conv3dPass::kWgrad: add_wgrad(graph, c, *io); break;
     }
-    std::lock_guard<std::mutex> lock(handle.mu);
-    // Sums in float32 and in a fixed order: no plan that reduces in lower precision or
-    // whose result depends on the order of atomic adds (a weight gradient could pick one).
-    const std::vector<fe::NumericalNote_t> excluded = {
-        fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION, fe::NumericalNote_t::NONDETERMINISTIC};
-    if (std::string why = build_graph(*graph, handle.handle, op, excluded); !why.empty()) {
-      plan->error = why;
-      return plan;
-    }
-    plan->graph = std::move(graph);
-  } catch (const std::exception& e) {
-    plan->error = stage_message(op, "build", e.what());
-  }
-  return plan;
+  };
+  // Sums in float32 and in a fixed order: no plan that reduces in lower precision or
+  // whose result depends on the order of atomic adds (a weight gradient could pick one).
+  const std::vector<fe::NumericalNote_t> excluded = {
+      fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION, fe::NumericalNote_t::NONDETERMINISTIC};
+  return build_cached_plan(op_name(c), config_error(c), device, handle, io, add, {}, excluded);
 }
 
 // Finds or builds the plan of `requested` on `device`; null with *error set on failure.

@@ -328,46 +328,22 @@ void add_backward(Graph& graph, const SdpaConfig& c) {
 }
 
 std::shared_ptr<CachedPlan> build_plan(const SdpaConfig& c, int device, DeviceHandle& handle) {
-  auto plan = std::make_shared<CachedPlan>();
-  const char* op = op_name(c);
-  try {
-    if (std::string why = config_error(c); !why.empty()) {
-      plan->error = stage_message(op, "config", why);
-      return plan;
-    }
-    std::string err;
-    int sm = sm_version(device, &err);
-    if (sm < 0) {
-      plan->error = stage_message(op, "device", err);
-      return plan;
-    }
-    const fe::DataType_t io = *to_cudnn_dtype(c.dtype);
-    auto graph = new_graph(io, sm);
-    if (c.backward) {
-      add_backward(*graph, c);
-    } else {
-      // The composite implementation serves every configuration (the unified one needs
-      // cuDNN >= 9.21 for band masks); without masks or modifiers the unified one is
-      // built too, and autotuning keeps the faster.
-      add_forward(*graph, c, fe::AttentionImplementation_t::COMPOSITE);
-    }
-    std::lock_guard<std::mutex> lock(handle.mu);
-    if (std::string why = build_graph(*graph, handle.handle, op); !why.empty()) {
-      plan->error = why;
-      return plan;
-    }
-    plan->graph = std::move(graph);
-    if (!c.backward && !band_of(c).any() && c.softcap == 0.f) {
-      auto unified = new_graph(io, sm);
-      add_forward(*unified, c, fe::AttentionImplementation_t::UNIFIED);
-      if (build_graph(*unified, handle.handle, op).empty()) {
-        plan->alternatives.push_back(std::move(unified));
-      }
-    }
-  } catch (const std::exception& e) {
-    plan->error = stage_message(op, "build", e.what());
+  if (c.backward) {
+    return build_cached_plan(op_name(c), config_error(c), device, handle,
+                             to_cudnn_dtype(c.dtype), [&](Graph& g) { add_backward(g, c); });
   }
-  return plan;
+  // The composite implementation serves every configuration (the unified one needs
+  // cuDNN >= 9.21 for band masks); without masks or modifiers the unified one is built
+  // too, and autotuning keeps the faster.
+  auto with = [&c](fe::AttentionImplementation_t implementation) -> AddNodes {
+    return [&c, implementation](Graph& g) { add_forward(g, c, implementation); };
+  };
+  std::vector<AddNodes> alternatives;
+  if (!band_of(c).any() && c.softcap == 0.f) {
+    alternatives.push_back(with(fe::AttentionImplementation_t::UNIFIED));
+  }
+  return build_cached_plan(op_name(c), config_error(c), device, handle, to_cudnn_dtype(c.dtype),
+                           with(fe::AttentionImplementation_t::COMPOSITE), alternatives);
 }
 
 // Finds or builds the plan of `requested` on `device`; on failure returns null with *error

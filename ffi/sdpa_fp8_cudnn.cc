@@ -228,35 +228,15 @@ void add_backward(Graph& graph, const SdpaFp8Config& c) {
 
 std::shared_ptr<CachedPlan> build_plan(const SdpaFp8Config& c, int device,
                                        DeviceHandle& handle) {
-  auto plan = std::make_shared<CachedPlan>();
-  const char* op = op_name(c);
-  try {
-    if (std::string why = config_error(c); !why.empty()) {
-      plan->error = stage_message(op, "config", why);
-      return plan;
-    }
-    std::string err;
-    int sm = sm_version(device, &err);
-    if (sm < 0) {
-      plan->error = stage_message(op, "device", err);
-      return plan;
-    }
-    auto graph = new_graph(fe::DataType_t::FP8_E4M3, sm);
+  auto add = [&](Graph& graph) {
     if (c.backward) {
-      add_backward(*graph, c);
+      add_backward(graph, c);
     } else {
-      add_forward(*graph, c);
+      add_forward(graph, c);
     }
-    std::lock_guard<std::mutex> lock(handle.mu);
-    if (std::string why = build_graph(*graph, handle.handle, op); !why.empty()) {
-      plan->error = why;
-      return plan;
-    }
-    plan->graph = std::move(graph);
-  } catch (const std::exception& e) {
-    plan->error = stage_message(op, "build", e.what());
-  }
-  return plan;
+  };
+  return build_cached_plan(op_name(c), config_error(c), device, handle,
+                           fe::DataType_t::FP8_E4M3, add);
 }
 
 // The backward's plan does not depend on the forward's out dtype (it reads o as e4m3).

@@ -259,6 +259,44 @@ std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::stri
   return "";
 }
 
+std::shared_ptr<CachedPlan> build_cached_plan(
+    std::string_view op, const std::string& config_error, int device, DeviceHandle& handle,
+    std::optional<fe::DataType_t> io, const AddNodes& add,
+    const std::vector<AddNodes>& alternatives,
+    const std::vector<fe::NumericalNote_t>& excluded) {
+  auto plan = std::make_shared<CachedPlan>();
+  try {
+    if (!config_error.empty()) {
+      plan->error = stage_message(op, "config", config_error);
+      return plan;
+    }
+    std::string err;
+    int sm = sm_version(device, &err);
+    if (sm < 0) {
+      plan->error = stage_message(op, "device", err);
+      return plan;
+    }
+    auto graph = new_graph(*io, sm);
+    add(*graph);
+    std::lock_guard<std::mutex> lock(handle.mu);
+    if (std::string why = build_graph(*graph, handle.handle, op, excluded); !why.empty()) {
+      plan->error = why;
+      return plan;
+    }
+    plan->graph = std::move(graph);
+    for (const AddNodes& other : alternatives) {
+      auto alternative = new_graph(*io, sm);
+      other(*alternative);
+      if (build_graph(*alternative, handle.handle, op, excluded).empty()) {
+        plan->alternatives.push_back(std::move(alternative));
+      }
+    }
+  } catch (const std::exception& e) {
+    plan->error = stage_message(op, "build", e.what());
+  }
+  return plan;
+}
+
 int64_t workspace_bound(CachedPlan& plan) {
   std::lock_guard<std::mutex> tune_lock(plan.tune_mu);
   int64_t size = plan.workspace_size;

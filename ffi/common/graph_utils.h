@@ -41,6 +41,19 @@ std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t io, int sm);
 std::string build_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string_view op,
                         const std::vector<fe::NumericalNote_t>& excluded = {});
 
+// Adds an op's nodes to an empty graph.
+using AddNodes = std::function<void(fe::graph::Graph&)>;
+
+// A plan of `op` on `device`, or one that holds why not (the stage named): the config's
+// own check (`config_error`, "" when valid), the device's compute capability, then a graph
+// of `io` tensors with `add`'s nodes, built under the handle's lock without plans carrying
+// an `excluded` note. Each of `alternatives` that builds too is kept for autotuning.
+std::shared_ptr<CachedPlan> build_cached_plan(
+    std::string_view op, const std::string& config_error, int device, DeviceHandle& handle,
+    std::optional<fe::DataType_t> io, const AddNodes& add,
+    const std::vector<AddNodes>& alternatives = {},
+    const std::vector<fe::NumericalNote_t>& excluded = {});
+
 // cuDNN's workspace: a u8 result of the custom call, sized when the call is lowered, so
 // that XLA owns it (and could capture the call into a CUDA graph).
 struct Workspace {
