@@ -22,10 +22,8 @@ Writes DIR/bsa.json and DIR/bsa.png (DIR defaults to bench/results).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import pathlib
 import time
 
 import jax
@@ -33,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, time_calls, write_results
+from harness import arg_parser, error_text, pyplot, save_figure, time_calls, write_results
 
 DENSITIES = (0.05, 0.1, 0.2, 0.5, 1.0)
 ENGINES = ("triton", "xla")
@@ -143,9 +141,7 @@ def print_row(r):
 def plot(rows, path, title):
   """Effective TFLOP/s against density, forward and forward+backward side by side: a line
   per bsa engine and length, dense attention dashed."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   lengths = list(dict.fromkeys(r["s"] for r in rows))
@@ -171,14 +167,11 @@ def plot(rows, path, title):
   axes[0].set_ylabel("effective TFLOP/s (dense FLOPs x density)")
   axes[1].legend(fontsize=7)
   fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
   parser.add_argument("--block-size", type=int, default=128, choices=(64, 128))

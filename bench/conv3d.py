@@ -31,11 +31,9 @@ with --shapes (small ones): a smoke test.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import sys
 import time
 
@@ -49,8 +47,8 @@ import numpy as np
 import cudnn_jax
 from cudnn_jax.engines import ENGINE_NAMES
 from cudnn_jax.ops import conv3d as conv3d_ops
-from harness import (device_ms, error_text, rel_diff, time_back_to_back, time_calls,
-                     write_results)
+from harness import (arg_parser, device_ms, error_text, pyplot, rel_diff, save_figure,
+                     time_back_to_back, time_calls, write_results)
 
 WARMUP = 3
 KERNEL = (3, 3, 3)
@@ -268,9 +266,7 @@ def print_row(r):
 
 def plot(rows, path, padding):
   """ms per shape and engine (the speed-up's clock), forward and forward+backward."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   names = list(dict.fromkeys(r["engine"] for r in rows))
@@ -295,14 +291,11 @@ def plot(rows, path, padding):
     ax.legend(fontsize=8)
   fig.suptitle(f"conv3d VAE block (3x3x3 {padding}, RMSNorm, SiLU), bf16, "
                f"{jax.devices()[0].device_kind}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--shapes", default=None,
                       help=f"comma-separated NxTxHxWxC (default: {SHAPES})")
   parser.add_argument("--engines", default="cudnn,xla",

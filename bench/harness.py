@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -171,14 +172,37 @@ def device_ms(fn, args, calls=3):
   return sum(ms for _, _, ms in device_events(fn, args, calls)) / calls
 
 
+RESULTS = str(pathlib.Path(__file__).parent / "results")
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+  """A benchmark's parser: its docstring's first line, and --out (default bench/results)."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--out", default=RESULTS, help="where the JSON and the chart go")
+  return parser
+
+
+def pyplot():
+  """matplotlib's pyplot, drawing off screen."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, path):
+  """Lays ``fig`` out, writes it to ``path`` as a PNG and closes it."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  pyplot().close(fig)
+
+
 def bar_chart(path, title, groups, series, ylabel, anchors=()):
   """Writes a PNG of grouped bars: one group per label in ``groups``, one bar per name in
   ``series`` ({name: [value or None per group]}) that has a value there; names in
   ``anchors`` (the baselines measured in the same run) are hatched, so ours and the
   anchor stand side by side. Returns ``path``."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   names = list(series)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   color = {n: colors[i % len(colors)] for i, n in enumerate(names)}
@@ -199,8 +223,6 @@ def bar_chart(path, title, groups, series, ylabel, anchors=()):
   ax.set_title(title, fontsize=10)
   ax.grid(True, axis="y", alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
   return path

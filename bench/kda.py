@@ -30,11 +30,9 @@ FLA ran; DIR defaults to bench/results).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import sys
 import time
 
@@ -48,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import (bar_chart, device_ms, error_text, load_torch, profile_scopes, rel_diff,
-                     time_back_to_back, time_calls, torch_time_ms, write_results)
+from harness import (arg_parser, bar_chart, device_ms, error_text, load_torch, profile_scopes,
+                     rel_diff, time_back_to_back, time_calls, torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 10
@@ -295,8 +293,7 @@ def print_row(r):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes, no FLA (smoke test)")
   parser.add_argument("--profile", action="store_true",
                       help="instead of the table, where the device time goes by engine stage")

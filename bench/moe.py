@@ -26,10 +26,8 @@ DIR defaults to bench/results).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import pathlib
 import sys
 import time
 
@@ -43,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import (bar_chart, device_ms, error_text, rel_diff, time_back_to_back, time_calls,
-                     write_results)
+from harness import (arg_parser, bar_chart, device_ms, error_text, rel_diff, time_back_to_back,
+                     time_calls, write_results)
 from cudnn_jax.ops.gemm import gemm, grouped_gemm
 from cudnn_jax.ops.moe import moe_mlp
 
@@ -223,8 +221,7 @@ def plot(rows, path, title):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--cases", default=",".join(CASES),
                       help=f"comma-separated subset of {','.join(CASES)}")

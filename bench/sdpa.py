@@ -25,11 +25,9 @@ Writes DIR/sdpa.json and DIR/sdpa.png, and the charts of the other tables
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import time
 
 import jax
@@ -42,8 +40,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import cudnn_jax  # pylint: disable=wrong-import-position
 import sdpa_features  # pylint: disable=wrong-import-position
 import sdpa_fp8  # pylint: disable=wrong-import-position
-from harness import (device_ms, error_text, load_torch, rel_diff, time_calls,
-                     torch_time_ms, write_results)
+from harness import (arg_parser, device_ms, error_text, load_torch, pyplot, rel_diff, save_figure,
+                     time_calls, torch_time_ms, write_results)
 
 WARMUP = 3
 CALLS = 20
@@ -260,9 +258,7 @@ def print_row(r):
 
 
 def plot(rows, path, baseline):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   groups = []
   for r in rows:
@@ -289,14 +285,11 @@ def plot(rows, path, baseline):
   ax.set_title(f"sdpa, {rows[0]['dtype']}, {jax.devices()[0].device_kind} "
                f"(baseline: {baseline})")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--no-xla", action="store_true", help="leave out jax.nn's xla engine")
   parser.add_argument("--no-loop", action="store_true",

@@ -28,11 +28,9 @@ Writes DIR/sdpa_features.json and DIR/sdpa_features.png (DIR defaults to bench/r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import time
 
 import jax
@@ -40,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, rel_diff, time_back_to_back, time_calls, write_results
+from harness import (arg_parser, error_text, pyplot, rel_diff, save_figure, time_back_to_back,
+                     time_calls, write_results)
 
 CASES = ("varlen", "paged")
 VARLEN_SPEEDUP_TARGET = 1.5  # packed / padded, forward and forward+backward
@@ -267,9 +266,7 @@ def print_row(r):
 def plot(rows, path, with_target):
   """One panel per case: TFLOP/s (varlen) or GB/s (paged), back to back, per engine; the
   packed call's speed-up over the padded one above its bars."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   cases = [c for c in CASES if any(r["case"] == c for r in rows)]
   fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.2), squeeze=False)
@@ -303,9 +300,7 @@ def plot(rows, path, with_target):
       ax.set_title(f"packed causal, {mine[0]['tokens']} tokens in {mine[0]['seqs']} sequences")
     ax.legend(fontsize=7)
   fig.suptitle(f"{rows[0]['dtype']}, {jax.devices()[0].device_kind}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def collect(cases, quick, calls, out):
@@ -335,11 +330,10 @@ def collect(cases, quick, calls, out):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = arg_parser(__doc__)
   parser.add_argument("--cases", default=",".join(CASES),
                       help=f"comma-separated, of {', '.join(CASES)}")
   parser.add_argument("--calls", type=int, default=20, help="timed calls per measurement")
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
   args = parser.parse_args()
   cases = [c for c in args.cases.split(",") if c]

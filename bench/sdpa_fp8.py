@@ -16,9 +16,7 @@ Writes DIR/sdpa_fp8.json and DIR/sdpa_fp8.png (DIR defaults to bench/results).
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import time
 
 import jax
@@ -26,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cudnn_jax
-from harness import error_text, time_back_to_back, time_calls, write_results
+from harness import (arg_parser, error_text, pyplot, save_figure, time_back_to_back, time_calls,
+                     write_results)
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 TARGET = 1.45  # FP8 forward over bf16 forward, S >= 8k
@@ -112,9 +111,7 @@ def speedups(rows):
 
 
 def plot(rows, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   groups = list(dict.fromkeys((r["s"], r["causal"], r["backward"]) for r in rows))
   names = list(dict.fromkeys(r["engine"] for r in rows))
   width = 0.8 / len(names)
@@ -130,9 +127,7 @@ def plot(rows, path):
   ax.set_title(f"sdpa_fp8 vs bf16 sdpa, B*S={rows[0]['b'] * rows[0]['s']}, {HEADS} heads, "
                f"d={HEAD_DIM}, {jax.devices()[0].device_kind}")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def collect(quick, out):
@@ -163,8 +158,7 @@ def collect(quick, out):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser = arg_parser(__doc__)
   parser.add_argument("--quick", action="store_true", help="a tiny shape (smoke test)")
   args = parser.parse_args()
   if jax.default_backend() != "gpu" and not args.quick:

@@ -14,10 +14,8 @@ DIR/sdpa_kernels.png (device ms per path, jax.nn's and torch's beside ours).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
-import pathlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 # One profiler event per kernel, not per CUDA graph.
@@ -25,7 +23,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_c
 
 import cudnn_jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
-from harness import bar_chart, device_events, load_torch, time_calls, write_results  # pylint: disable=wrong-import-position
+from harness import (arg_parser, bar_chart, device_events, load_torch, time_calls,  # pylint: disable=wrong-import-position
+                     write_results)
 import sdpa  # pylint: disable=wrong-import-position
 
 CALLS = 5
@@ -67,11 +66,10 @@ def loaded_cudnn():
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = arg_parser(__doc__)
   parser.add_argument("--s", type=int, default=4096)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--backward", action="store_true")
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   args = parser.parse_args()
   shape = sdpa.Shape(b=16384 // args.s, t=args.s, s=args.s, n=16, k=16, h=128,
                      causal=args.causal)
