@@ -77,31 +77,22 @@ def _window(local_window_size):
                for x in (left, right))
 
 
-def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-            query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-            implementation=None, return_residual=False, causal_alignment="top_left",
-            logits_soft_cap=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
-            dropout_rate=0.0, dropout_rng=None, return_lse=False, context_parallel_axis=None,
-            context_parallel_strategy="all_gather"):
-  """Validates the user's arguments into (SdpaCall, SdpaInputs).
-
-  ``return_lse`` of the call is set when either statistic is asked for: jax.nn's residual
-  is the lse, transposed and cast."""
-  del implementation
+def checked_qkv(query, key, value, dtypes):
+  """``(query [B,T,N,H], key [B,S,K,H], value [B,S,K,Hv], unbatched)``: the arrays of one
+  dtype among ``dtypes``, rank 4 (an unbatched rank-3 call gets B = 1), shapes consistent."""
   qs = _checks.shape_of("query", query, (3, 4))
   unbatched = len(qs) == 3
-  rank = len(qs)
-  ks = _checks.shape_of("key", key, rank)
-  vs = _checks.shape_of("value", value, rank)
+  ks = _checks.shape_of("key", key, len(qs))
+  vs = _checks.shape_of("value", value, len(qs))
   for name, x in (("query", query), ("key", key), ("value", value)):
-    _checks.float_dtype(name, x, _checks.XLA_FLOAT_DTYPES)
+    _checks.float_dtype(name, x, dtypes)
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError("query, key, value: expected one dtype, got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
   if unbatched:
     query, key, value = query[None], key[None], value[None]
-  b, t, n, h = query.shape
-  _, s, k, hv = value.shape
+  b, _, n, h = query.shape
+  _, s, k, _ = value.shape
   if key.shape[0] != b or value.shape[0] != b:
     raise ValueError(f"key, value: batch must be {b} (query's), got shapes {ks} and {vs}")
   if key.shape[1:3] != (s, k):
@@ -114,6 +105,46 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
   if h < 1:
     raise ValueError(f"query: head dim H must be >= 1 (the logits' scale is 1/sqrt(H)), got "
                      f"shape {qs}")
+  return query, key, value, unbatched
+
+
+def checked_lengths(name, x, b, size, unbatched):
+  """Valid lengths ``[B]`` int32 clamped to ``[0, size]`` (SPEC section 8), or None."""
+  if x is None:
+    return None
+  _checks.shape_of(name, x, 1 if not unbatched else (0, 1))
+  _checks.int_dtype(name, x)
+  x = x.reshape(-1)
+  _checks.expect_shape(name, x, (b,))
+  return _metadata.clamp_lengths(x, size)
+
+
+def checked_scales(scale, h, causal_alignment, logits_soft_cap):
+  """``(scale, logits_soft_cap)`` as floats (scale 1/sqrt(H) by default, the cap None when
+  absent); causal_alignment one of its two names."""
+  scale = 1.0 / math.sqrt(h) if scale is None else _checks.real_scalar("scale", scale)
+  _checks.one_of("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+  if logits_soft_cap is not None:
+    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+      raise ValueError(f"logits_soft_cap: expected a positive float, got {logits_soft_cap!r}")
+    logits_soft_cap = float(logits_soft_cap)
+  return float(scale), logits_soft_cap
+
+
+def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+            query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+            implementation=None, return_residual=False, causal_alignment="top_left",
+            logits_soft_cap=None, sinks=None, q_segment_ids=None, kv_segment_ids=None,
+            dropout_rate=0.0, dropout_rng=None, return_lse=False, context_parallel_axis=None,
+            context_parallel_strategy="all_gather"):
+  """Validates the user's arguments into (SdpaCall, SdpaInputs).
+
+  ``return_lse`` of the call is set when either statistic is asked for: jax.nn's residual
+  is the lse, transposed and cast."""
+  del implementation
+  query, key, value, unbatched = checked_qkv(query, key, value, _checks.XLA_FLOAT_DTYPES)
+  b, t, n, h = query.shape
+  _, s, k, hv = value.shape
 
   full = (b, n, t, s)
   view = full[1:] if unbatched else full
@@ -135,16 +166,9 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     _checks.bool_dtype("mask", mask)
     mask = as4d("mask", mask)
 
-  def lengths(name, x, size):
-    if x is None:
-      return None
-    _checks.shape_of(name, x, 1 if not unbatched else (0, 1))
-    _checks.int_dtype(name, x)
-    x = x.reshape(-1)
-    _checks.expect_shape(name, x, (b,))
-    return _metadata.clamp_lengths(x, size)
-  query_seq_lengths = lengths("query_seq_lengths", query_seq_lengths, t)
-  key_value_seq_lengths = lengths("key_value_seq_lengths", key_value_seq_lengths, s)
+  query_seq_lengths = checked_lengths("query_seq_lengths", query_seq_lengths, b, t, unbatched)
+  key_value_seq_lengths = checked_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s,
+                                          unbatched)
 
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
@@ -161,12 +185,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     _checks.float_dtype("sinks", sinks, (jnp.float32,))
     _checks.expect_shape("sinks", sinks, (n,))
 
-  scale = 1.0 / math.sqrt(h) if scale is None else _checks.real_scalar("scale", scale)
-  _checks.one_of("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
-  if logits_soft_cap is not None:
-    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
-      raise ValueError(f"logits_soft_cap: expected a positive float, got {logits_soft_cap!r}")
-    logits_soft_cap = float(logits_soft_cap)
+  scale, logits_soft_cap = checked_scales(scale, h, causal_alignment, logits_soft_cap)
   if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"dropout_rate: expected a float in [0, 1), got {dropout_rate!r}")
   if dropout_rate > 0 and dropout_rng is None:
@@ -185,7 +204,7 @@ def prepare(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
 
   call = SdpaCall(
       b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=jnp.dtype(query.dtype).name,
-      scale=float(scale), is_causal=_checks.flag("is_causal", is_causal),
+      scale=scale, is_causal=_checks.flag("is_causal", is_causal),
       bottom_right=causal_alignment == "bottom_right", window=_window(local_window_size),
       bias_shape=None if bias is None else tuple(bias.shape),
       mask_shape=None if mask is None else tuple(mask.shape),

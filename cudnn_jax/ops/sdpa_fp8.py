@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cudnn_jax import _checks, _metadata, engines
-from cudnn_jax.ops.sdpa import _window
+from cudnn_jax.ops.sdpa import _window, checked_lengths, checked_qkv, checked_scales
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
@@ -77,12 +76,7 @@ def prepare(query, key, value, *, q_scale, k_scale, v_scale, out_scale,
       raise ValueError(f"{name}: not supported by sdpa_fp8 (supported: scale, is_causal, "
                        "causal_alignment, local_window_size, query_seq_lengths, "
                        "key_value_seq_lengths, logits_soft_cap)")
-  qs = _checks.shape_of("query", query, (3, 4))
-  unbatched = len(qs) == 3
-  ks = _checks.shape_of("key", key, len(qs))
-  vs = _checks.shape_of("value", value, len(qs))
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    _checks.float_dtype(name, x, (FP8,))
+  query, key, value, unbatched = checked_qkv(query, key, value, (FP8,))
   scales = []
   for name, x in zip(_SCALES, (q_scale, k_scale, v_scale, out_scale)):
     if isinstance(x, (int, float)) and not isinstance(x, bool):  # a Python number
@@ -93,44 +87,13 @@ def prepare(query, key, value, *, q_scale, k_scale, v_scale, out_scale,
     _checks.float_dtype(name, x, (jnp.float32,))
     scales.append(jnp.asarray(x).reshape(()))
   out_dtype = _checks.dtype_arg("out_dtype", out_dtype, OUT_DTYPES)
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
   b, t, n, h = query.shape
   _, s, k, hv = value.shape
-  if key.shape[0] != b or value.shape[0] != b:
-    raise ValueError(f"key, value: batch must be {b} (query's), got shapes {ks} and {vs}")
-  if key.shape[1:3] != (s, k):
-    raise ValueError(f"key: expected [B,S,K,H] matching value's S={s}, K={k}, got {ks}")
-  if key.shape[3] != h:
-    raise ValueError(f"key: head dim must equal query's H={h}, got shape {ks}")
-  if k < 1 or n % k:
-    raise ValueError(f"query/key: query heads N={n} must be a multiple of kv heads K={k} "
-                     "(K >= 1)")
-  if h < 1:
-    raise ValueError(f"query: head dim H must be >= 1, got shape {qs}")
-
-  def lengths(name, x, size):
-    if x is None:
-      return None
-    _checks.shape_of(name, x, 1 if not unbatched else (0, 1))
-    _checks.int_dtype(name, x)
-    x = x.reshape(-1)
-    _checks.expect_shape(name, x, (b,))
-    return _metadata.clamp_lengths(x, size)
-
-  q_lens = lengths("query_seq_lengths", query_seq_lengths, t)
-  kv_lens = lengths("key_value_seq_lengths", key_value_seq_lengths, s)
-  if scale is None:
-    scale = 1.0 / math.sqrt(h)
-  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-    raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
-  _checks.one_of("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
-  if logits_soft_cap is not None:
-    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
-      raise ValueError(f"logits_soft_cap: expected a positive float, got {logits_soft_cap!r}")
-    logits_soft_cap = float(logits_soft_cap)
+  q_lens = checked_lengths("query_seq_lengths", query_seq_lengths, b, t, unbatched)
+  kv_lens = checked_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s, unbatched)
+  scale, logits_soft_cap = checked_scales(scale, h, causal_alignment, logits_soft_cap)
   call = Fp8Call(
-      b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, out_dtype=out_dtype.name, scale=float(scale),
+      b=b, t=t, s=s, n=n, k=k, h=h, hv=hv, out_dtype=out_dtype.name, scale=scale,
       is_causal=_checks.flag("is_causal", is_causal),
       bottom_right=causal_alignment == "bottom_right", window=_window(local_window_size),
       has_q_lengths=q_lens is not None, has_kv_lengths=kv_lens is not None,
