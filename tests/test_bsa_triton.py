@@ -20,6 +20,7 @@ from cudnn_jax.triton import bsa as triton_bsa
 from mesh_cases import assert_no_collectives, mesh_or_skip
 from sdpa_oracle import oracle, oracle_vjp, rel_err_finite as rel_err
 from test_bsa import full_sizes, make_case, token_mask
+from triton_lowering import sm90_export
 
 F32_TOL = 2e-5  # ||a - b|| / ||b||
 GRAD_TOL = 1e-4
@@ -235,20 +236,7 @@ def test_verdicts(monkeypatch):
 def test_kernels_lower_to_triton_for_sm90():
   """The Pallas-to-Triton lowering (what XLA compiles on the GPU) of the forward and both
   backward kernels succeeds without a GPU, for both block sizes and head dims 64 and 128."""
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    pytest.skip("this JAX has no Pallas Triton backend")
-
-  class _Sm90:
-    compute_capability = "9.0"
-
-  original = registration.gpu_info_lib.get_gpu_info
-  registration.gpu_info_lib.get_gpu_info = lambda: _Sm90()
-  try:
-    export = functools.partial(
-        jax.export.export, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+  with sm90_export() as export:
     modules = []
     for bs, h, hv in ((64, 128, 64), (128, 64, 128)):
       b, sq, skv, n, kh, width = 1, 1000, 1100, 4, 2, 5
@@ -259,7 +247,5 @@ def test_kernels_lower_to_triton_for_sm90():
       modules.append(export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))))(
           s(b, sq, n, h), s(b, skv, kh, h), s(b, skv, kh, hv), s(b, n, nq, width, dt=jnp.int32),
           s(b, n, nq, dt=jnp.int32), s(b, kh, nkv, dt=jnp.int32)).mlir_module())
-  finally:
-    registration.gpu_info_lib.get_gpu_info = original
   for text in modules:
     assert text.count("xla.gpu.triton") == 3  # forward, dq, dk/dv

@@ -14,6 +14,7 @@ from cudnn_jax.triton import kda as triton_kda
 from cudnn_jax.triton import kda_intra, kda_scan
 from cudnn_jax.reference import kda as ref
 from kda_cases import check_intra_kernel
+from triton_lowering import sm90_export
 
 
 @pytest.mark.parametrize("n,kd", [(16, 8), (8, 32)])
@@ -145,21 +146,8 @@ def test_kernels_lower_to_triton_for_sm90():
   """The Pallas-to-Triton lowering (what XLA compiles on the GPU) succeeds without a GPU,
   at K = V = 128 and a chunk count that is not a power of two, kernel by kernel and for the
   whole engine."""
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    pytest.skip("this JAX has no Pallas Triton backend")
-
-  class _Sm90:
-    compute_capability = "9.0"
-
-  original = registration.gpu_info_lib.get_gpu_info
-  registration.gpu_info_lib.get_gpu_info = lambda: _Sm90()
-  try:
+  with sm90_export() as export:
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    export = functools.partial(
-        jax.export.export, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
     nc, b, hv, c, d = 13, 2, 3, 64, 128
     scan, scan_alone = (export(jax.jit(functools.partial(kda_scan.scan_output, with_states=x)))(
         s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, c, d), s(nc, b, hv, d),
@@ -183,8 +171,6 @@ def test_kernels_lower_to_triton_for_sm90():
     engine = lambda *x: jnp.sum(triton_kda.kda(*x, scale=0.1, qk_l2norm=True)[0])
     whole = export(jax.jit(jax.value_and_grad(engine, argnums=(0, 1, 2, 3, 4))))(
         tokens(1, bf16), tokens(1, bf16), tokens(hv, bf16), tokens(hv), s(b, nc * c - 5, hv))
-  finally:
-    registration.gpu_info_lib.get_gpu_info = original
   for exported in (scan, scan_alone, scan_bwd, pairs, pairs_bwd, intra, chunks, whole):
     assert "xla.gpu.triton" in exported.mlir_module()
 
