@@ -305,21 +305,53 @@ std::string decode_attributes(const ffi::Dictionary& attrs, SdpaFp8Config* c) {
   return err;
 }
 
-void bind(std::unordered_map<int64_t, void*>& tensors, const Uid* uids,
-          const std::vector<ffi::AnyBuffer>& scales,
-          const std::optional<ffi::AnyBuffer>& q_lens,
-          const std::optional<ffi::AnyBuffer>& kv_lens) {
-  for (size_t i = 0; i < scales.size(); ++i) tensors[uids[i]] = scales[i].untyped_data();
-  if (q_lens) {
-    tensors[kSeqLenQ] = q_lens->untyped_data();
-    tensors[kSeqLenKv] = kv_lens->untyped_data();
+// What both handlers decode from their arguments.
+struct Call {
+  SdpaFp8Config c;
+  std::vector<ffi::AnyBuffer> scales;
+  std::optional<ffi::AnyBuffer> q_lens, kv_lens;
+};
+
+// Decodes the attributes, the `scale_count` scale operands (then the lengths) after the
+// tensors, and the shapes of q, k, v into `call`; "" or the failing stage's message.
+std::string decode_call(const char* op, const ffi::Dictionary& attrs,
+                        const ffi::RemainingArgs& rest, size_t scale_count,
+                        const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, Call* call) {
+  SdpaFp8Config& c = call->c;
+  if (std::string err = decode_attributes(attrs, &c); !err.empty()) {
+    return stage_message(op, "attributes", err);
+  }
+  std::string err =
+      decode_rest(rest, scale_count, c.has_padding, &call->scales, &call->q_lens, &call->kv_lens);
+  if (err.empty()) err = shapes_from(q, k, v, &c);
+  if (err.empty()) err = check_lengths(c, call->q_lens, call->kv_lens);
+  return err.empty() ? "" : stage_message(op, "arguments", err);
+}
+
+// The scale operands (by `uids`, in order) and the lengths of `call` bound into `tensors`.
+void bind(std::unordered_map<int64_t, void*>& tensors, const Uid* uids, const Call& call) {
+  for (size_t i = 0; i < call.scales.size(); ++i) {
+    tensors[uids[i]] = call.scales[i].untyped_data();
+  }
+  if (call.q_lens) {
+    tensors[kSeqLenQ] = call.q_lens->untyped_data();
+    tensors[kSeqLenKv] = call.kv_lens->untyped_data();
   }
 }
 
-// The plan's part of the workspace result, and `slots` 16-byte aligned scratch slots
-// (zeroed) from its end, for amax outputs nobody reads.
-ffi::Error split_workspace(cudaStream_t stream, const char* op, ffi::AnyBuffer& buffer,
-                           int slots, Workspace* plan_part, std::vector<void*>* scratch) {
+// The plan and handle of `c` on the device of `stream`; the plan's part of the workspace
+// result, and `slots` 16-byte aligned scratch slots (zeroed) from its end, for the amax
+// outputs nobody reads.
+ffi::Error plan_and_scratch(const SdpaFp8Config& c, cudaStream_t stream, ffi::AnyBuffer& buffer,
+                            int slots, std::shared_ptr<CachedPlan>* plan, DeviceHandle** handle,
+                            Workspace* plan_part, std::vector<void*>* scratch) {
+  const char* op = op_name(c);
+  std::string err;
+  int device = stream_device(stream, &err);
+  if (device < 0) return internal_error(stage_message(op, "device", err));
+  *plan = plan_for(c, device, handle, &err);
+  if (!*plan) return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
   Workspace whole = workspace_of(buffer);
   if (whole.size < kScratchBytes) {
     return internal_error(stage_message(op, "workspace", "the result is smaller than its scratch"));
@@ -331,18 +363,6 @@ ffi::Error split_workspace(cudaStream_t stream, const char* op, ffi::AnyBuffer& 
     scratch->push_back(reinterpret_cast<void*>(start + i * kScratchSlot));
   }
   return fill_bytes(stream, op, 0, reinterpret_cast<void*>(start), slots * kScratchSlot);
-}
-
-// Device, handle and plan for one handler call.
-ffi::Error prepare(const SdpaFp8Config& c, cudaStream_t stream, std::shared_ptr<CachedPlan>* plan,
-                   DeviceHandle** handle) {
-  const char* op = op_name(c);
-  std::string err;
-  int device = stream_device(stream, &err);
-  if (device < 0) return internal_error(stage_message(op, "device", err));
-  *plan = plan_for(c, device, handle, &err);
-  if (!*plan) return ffi::Error(ffi::ErrorCode::kUnimplemented, err);
-  return ffi::Error::Success();
 }
 
 // Copies amax[0] into every other entry of `amax` (float32), doubling the filled prefix
@@ -366,27 +386,24 @@ ffi::Error sdpa_fp8_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> workspace, ffi::Dictionary attrs) {
   const char* op = "sdpa_fp8_fwd";
   return guarded(op, [&]() -> ffi::Error {
-    SdpaFp8Config c;
-    if (std::string err = decode_attributes(attrs, &c); !err.empty()) {
-      return invalid_argument(stage_message(op, "attributes", err));
+    Call call;
+    if (std::string err = decode_call(op, attrs, rest, kFwdScaleCount, q, k, v, &call);
+        !err.empty()) {
+      return invalid_argument(err);
     }
-    std::vector<ffi::AnyBuffer> scales;
-    std::optional<ffi::AnyBuffer> q_lens, kv_lens;
-    std::string err = decode_rest(rest, kFwdScaleCount, c.has_padding, &scales, &q_lens, &kv_lens);
-    if (err.empty()) err = shapes_from(q, k, v, &c);
-    if (err.empty()) err = check_lengths(c, q_lens, kv_lens);
+    SdpaFp8Config& c = call.c;
     c.out_dtype = out->element_type();
-    if (err.empty()) err = expect("out", *out, c.out_dtype, {c.b, c.t, c.n, c.hv});
+    std::string err = expect("out", *out, c.out_dtype, {c.b, c.t, c.n, c.hv});
     if (err.empty()) err = expect("lse", *lse, ffi::DataType::F32, {c.b, c.n, c.t});
     if (err.empty()) err = expect("amax", *amax, ffi::DataType::F32, {c.b, c.n});
     if (!err.empty()) return invalid_argument(stage_message(op, "arguments", err));
 
     std::shared_ptr<CachedPlan> plan;
     DeviceHandle* handle = nullptr;
-    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
     Workspace plan_part;
     std::vector<void*> scratch;
-    if (ffi::Error e = split_workspace(stream, op, *workspace, 1, &plan_part, &scratch);
+    if (ffi::Error e = plan_and_scratch(c, stream, *workspace, 1, &plan, &handle, &plan_part,
+                                        &scratch);
         e.failure()) {
       return e;
     }
@@ -395,7 +412,7 @@ ffi::Error sdpa_fp8_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
         {kO, out->untyped_data()},  {kStats, lse->untyped_data()},
         {kAmaxO, amax->untyped_data()}, {kAmaxS, scratch[0]},
     };
-    bind(tensors, kFwdScales, scales, q_lens, kv_lens);
+    bind(tensors, kFwdScales, call);
     // Rows past the valid lengths are not written by cuDNN; amax starts from 0.
     if (ffi::Error e = prefill(stream, op, c.has_padding, {&*out}); e.failure()) return e;
     if (ffi::Error e = prefill(stream, op, false, {&*lse}); e.failure()) return e;
@@ -414,18 +431,15 @@ ffi::Error sdpa_fp8_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> workspace, ffi::Dictionary attrs) {
   const char* op = "sdpa_fp8_bwd";
   return guarded(op, [&]() -> ffi::Error {
-    SdpaFp8Config c;
-    c.backward = true;
-    if (std::string err = decode_attributes(attrs, &c); !err.empty()) {
-      return invalid_argument(stage_message(op, "attributes", err));
+    Call call;
+    call.c.backward = true;
+    if (std::string err = decode_call(op, attrs, rest, kBwdScaleCount, q, k, v, &call);
+        !err.empty()) {
+      return invalid_argument(err);
     }
-    std::vector<ffi::AnyBuffer> scales;
-    std::optional<ffi::AnyBuffer> q_lens, kv_lens;
-    std::string err = decode_rest(rest, kBwdScaleCount, c.has_padding, &scales, &q_lens, &kv_lens);
-    if (err.empty()) err = shapes_from(q, k, v, &c);
-    if (err.empty()) err = check_lengths(c, q_lens, kv_lens);
+    const SdpaFp8Config& c = call.c;
     const auto bf16 = ffi::DataType::BF16;
-    if (err.empty()) err = expect("o", o, ffi::DataType::F8E4M3FN, {c.b, c.t, c.n, c.hv});
+    std::string err = expect("o", o, ffi::DataType::F8E4M3FN, {c.b, c.t, c.n, c.hv});
     if (err.empty()) err = expect("dout", dout, ffi::DataType::F8E5M2, {c.b, c.t, c.n, c.hv});
     if (err.empty()) err = expect("lse", lse, ffi::DataType::F32, {c.b, c.n, c.t});
     if (err.empty()) err = expect("dq", *dq, bf16, {c.b, c.t, c.n, c.h});
@@ -435,10 +449,10 @@ ffi::Error sdpa_fp8_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
     std::shared_ptr<CachedPlan> plan;
     DeviceHandle* handle = nullptr;
-    if (ffi::Error e = prepare(c, stream, &plan, &handle); e.failure()) return e;
     Workspace plan_part;
     std::vector<void*> scratch;
-    if (ffi::Error e = split_workspace(stream, op, *workspace, 4, &plan_part, &scratch);
+    if (ffi::Error e = plan_and_scratch(c, stream, *workspace, 4, &plan, &handle, &plan_part,
+                                        &scratch);
         e.failure()) {
       return e;
     }
@@ -449,7 +463,7 @@ ffi::Error sdpa_fp8_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
         {kAmaxDQ, scratch[0]},        {kAmaxDK, scratch[1]},       {kAmaxDV, scratch[2]},
         {kAmaxDP, scratch[3]},
     };
-    bind(tensors, kBwdScales, scales, q_lens, kv_lens);
+    bind(tensors, kBwdScales, call);
     if (ffi::Error e = prefill(stream, op, c.has_padding, {&*dq, &*dk, &*dv}); e.failure()) {
       return e;
     }
