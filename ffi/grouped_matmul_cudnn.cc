@@ -30,51 +30,42 @@ std::string cache_key(const GroupedMatmulConfig& c, int device) {
          std::to_string(c.groups);
 }
 
-std::shared_ptr<CachedPlan> build_plan(const GroupedMatmulConfig& c, int device,
-                                       DeviceHandle& handle) {
-  auto plan = std::make_shared<CachedPlan>();
-  auto io = to_cudnn_dtype(c.dtype);
-  if (!io || (c.dtype != ffi::DataType::BF16 && c.dtype != ffi::DataType::F16)) {
-    plan->error = stage_message(kOp, "config", "dtype " + dtype_name(c.dtype) +
-                                                   ": bfloat16 and float16 only");
-    return plan;
+std::string config_error(const GroupedMatmulConfig& c) {
+  const bool half = c.dtype == ffi::DataType::BF16 || c.dtype == ffi::DataType::F16;
+  if (!half || !to_cudnn_dtype(c.dtype)) {
+    return "dtype " + dtype_name(c.dtype) + ": bfloat16 and float16 only";
   }
-  if (c.m <= 0 || c.k <= 0 || c.n <= 0 || c.groups <= 0) {
-    plan->error = stage_message(kOp, "config", "empty problem");
-    return plan;
-  }
-  std::string err;
-  int sm = sm_version(device, &err);
-  if (sm < 0) {
-    plan->error = stage_message(kOp, "device", err);
-    return plan;
-  }
+  if (c.m <= 0 || c.k <= 0 || c.n <= 0 || c.groups <= 0) return "empty problem";
+  return "";
+}
+
+void add_grouped_matmul(fe::graph::Graph& graph, const GroupedMatmulConfig& c,
+                        fe::DataType_t io) {
   namespace g = fe::graph;
-  auto graph = new_graph(*io, sm);
-  auto lhs = graph->tensor(g::Tensor_attributes().set_name("lhs").set_uid(kLhs)
-                               .set_dim({1, c.m, c.k}).set_stride({c.m * c.k, c.k, 1})
-                               .set_data_type(*io));
+  auto lhs = graph.tensor(g::Tensor_attributes().set_name("lhs").set_uid(kLhs)
+                              .set_dim({1, c.m, c.k}).set_stride({c.m * c.k, c.k, 1})
+                              .set_data_type(io));
   // Logical [G,K,N] over memory [G][N][K].
-  auto rhs = graph->tensor(g::Tensor_attributes().set_name("rhs").set_uid(kRhs)
-                               .set_dim({c.groups, c.k, c.n}).set_stride({c.n * c.k, 1, c.k})
-                               .set_data_type(*io));
-  auto offsets = graph->tensor(g::Tensor_attributes().set_name("offsets").set_uid(kOffsets)
-                                   .set_dim({c.groups, 1, 1}).set_stride({1, 1, 1})
-                                   .set_data_type(fe::DataType_t::INT32));
+  auto rhs = graph.tensor(g::Tensor_attributes().set_name("rhs").set_uid(kRhs)
+                              .set_dim({c.groups, c.k, c.n}).set_stride({c.n * c.k, 1, c.k})
+                              .set_data_type(io));
+  auto offsets = graph.tensor(g::Tensor_attributes().set_name("offsets").set_uid(kOffsets)
+                                  .set_dim({c.groups, 1, 1}).set_stride({1, 1, 1})
+                                  .set_data_type(fe::DataType_t::INT32));
   auto attrs = g::Moe_grouped_matmul_attributes()
                    .set_name("grouped_matmul")
                    .set_mode(fe::MoeGroupedMatmulMode_t::NONE)
                    .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto out = graph->moe_grouped_matmul(lhs, rhs, offsets, nullptr, nullptr, attrs);
-  out->set_output(true).set_uid(kOut).set_data_type(*io)
+  auto out = graph.moe_grouped_matmul(lhs, rhs, offsets, nullptr, nullptr, attrs);
+  out->set_output(true).set_uid(kOut).set_data_type(io)
       .set_dim({1, c.m, c.n}).set_stride({c.m * c.n, c.n, 1});
-  std::lock_guard<std::mutex> lock(handle.mu);
-  if (std::string why = build_graph(*graph, handle.handle, kOp); !why.empty()) {
-    plan->error = why;
-    return plan;
-  }
-  plan->graph = std::move(graph);
-  return plan;
+}
+
+std::shared_ptr<CachedPlan> build_plan(const GroupedMatmulConfig& c, int device,
+                                       DeviceHandle& handle) {
+  const std::optional<fe::DataType_t> io = to_cudnn_dtype(c.dtype);
+  return build_cached_plan(kOp, config_error(c), device, handle, io,
+                           [&](fe::graph::Graph& graph) { add_grouped_matmul(graph, c, *io); });
 }
 
 PlanLookup lookup_of(const GroupedMatmulConfig& c) {
