@@ -6,7 +6,10 @@
 # SUITE_ARGS, NAMED_TESTS (test paths or node ids in the tree, default tests/gpu),
 # SWEEP_TESTS (the files whose random sweeps run, default tests/gpu),
 # NAMED_PARALLEL (non-empty: one process per NAMED_TESTS entry, run at once), the *_TIMEOUT
-# limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips).
+# limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips), TEST_TIMEOUT (seconds a named
+# test may take, default 180). Each named-test process appends a JSON line per test to
+# LOG/<name>.jsonl as the test ends (tests/conftest.py), so a process cut short still says
+# which tests passed, which failed and why, and which one was running.
 # WHEEL_DIR holds wheels the machine lacks (nvidia-cudnn-frontend for its C++ headers);
 # .aot/ (carried, git-ignored) the kernel objects from `python kernels/aot.py .aot`.
 set -uo pipefail
@@ -34,7 +37,8 @@ NAMED=(); for t in ${NAMED_TESTS:-tests/gpu}; do NAMED+=("$TREE/$t"); done
 cd /tmp
 named_tests() {  # LOG_NAME TEST...
   local log=$1; shift
-  timeout "${NAMED_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider \
+  CUDNN_JAX_TEST_RECORDS=$LOG/$log.jsonl CUDNN_JAX_TEST_TIMEOUT=${TEST_TIMEOUT:-180} \
+    timeout "${NAMED_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rA \
     -k "not random_sweep" "$@" > "$LOG/$log.log" 2>&1
   echo "named GPU tests ($log): $(tail -1 "$LOG/$log.log")"
 }
@@ -75,7 +79,8 @@ SWEEPS=(); for t in ${SWEEP_TESTS:-tests/gpu}; do SWEEPS+=("$TREE/$t"); done
 for i in $(seq "$FIRST" $((FIRST + PROCS - 1))); do
   # Autotuning (timing every candidate plan) is what the named tests and the benchmark
   # exercise; the sweep checks numerics, so it keeps the heuristic's choice.
-  CUDNN_JAX_AUTOTUNE=0 CUDNN_JAX_SWEEP_SHARD=$i/$SHARDS timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
+  CUDNN_JAX_AUTOTUNE=0 CUDNN_JAX_SWEEP_SHARD=$i/$SHARDS \
+    CUDNN_JAX_TEST_RECORDS=$SWEEP/sweep_$i.jsonl timeout "${SWEEP_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -k random_sweep \
     "${SWEEPS[@]}" > "$SWEEP/sweep_$i.log" 2>&1 &
 done
 wait

@@ -63,3 +63,60 @@ def emulated(monkeypatch):
     monkeypatch.setattr(engines, "choose", lambda op_, call, implementation: (
         forced if op_ == op else original(op_, call, implementation)))
   return force
+
+
+# A record per test, written as each test ends (CUDNN_JAX_TEST_RECORDS=path: one JSON line
+# per phase report, plus a "started" line before each test), so a process killed by a time
+# limit still leaves the outcome and first error lines of every test it finished, and names
+# the one it was in. CUDNN_JAX_TEST_TIMEOUT=seconds limits each test: past it the test fails
+# with a TimeoutError where Python code runs, and a process stuck in native code dumps every
+# thread's stack into the records file and exits.
+_RECORDS = os.environ.get("CUDNN_JAX_TEST_RECORDS")
+_TIMEOUT = float(os.environ.get("CUDNN_JAX_TEST_TIMEOUT", "0"))
+
+
+def _record(**fields):
+  import json  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  with open(_RECORDS, "a") as f:
+    f.write(json.dumps({"time": round(time.time(), 1), **fields}, default=str) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  if _RECORDS:
+    _record(test=item.nodeid, when="started")
+  if not _TIMEOUT:
+    yield
+    return
+  import faulthandler  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+
+  def expire(signum, frame):
+    del signum, frame
+    raise TimeoutError(f"{item.nodeid} ran past CUDNN_JAX_TEST_TIMEOUT={_TIMEOUT:g} s")
+
+  previous = signal.signal(signal.SIGALRM, expire)
+  signal.setitimer(signal.ITIMER_REAL, _TIMEOUT)
+  stacks = open(_RECORDS, "a") if _RECORDS else sys.stderr
+  faulthandler.dump_traceback_later(_TIMEOUT + 60, exit=True, file=stacks)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+    faulthandler.cancel_dump_traceback_later()
+    if stacks is not sys.stderr:
+      stacks.close()
+
+
+def pytest_runtest_logreport(report):
+  if not _RECORDS or (report.when != "call" and report.outcome == "passed"):
+    return
+  error = None
+  if report.failed or report.skipped:
+    lines = str(report.longrepr).splitlines()
+    error = "\n".join([l for l in lines if l.startswith("E ")][:12] or lines[-12:])[:2000]
+  _record(test=report.nodeid, when=report.when, outcome=report.outcome,
+          seconds=round(report.duration, 2), error=error)

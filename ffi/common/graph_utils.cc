@@ -110,6 +110,23 @@ struct Events {
   }
 };
 
+// When `status` says the variant pack lacks a tensor: the uids `graph` binds at execution
+// beside those given, so the message names both sides of the mismatch; else "".
+std::string variant_pack_text(const fe::graph::Graph& graph, const fe::error_t& status,
+                              const std::unordered_map<int64_t, void*>& tensors) {
+  if (status.get_code() != fe::error_code_t::INVALID_VARIANT_PACK) return "";
+  auto join = [](std::vector<int64_t> uids) {
+    std::sort(uids.begin(), uids.end());
+    std::string out;
+    for (int64_t uid : uids) out += (out.empty() ? "" : ",") + std::to_string(uid);
+    return out;
+  };
+  std::vector<int64_t> given;
+  for (const auto& [uid, ptr] : tensors) given.push_back(uid);
+  return " (the graph binds uids [" + join(graph.get_variant_pack_uids_sorted()) +
+         "]; given [" + join(given) + "])";
+}
+
 // Milliseconds for kTimedRuns executions of plan `index` after one warm-up, or a
 // negative value when the plan fails to run (then `why` says why).
 float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_t stream,
@@ -117,7 +134,7 @@ float time_plan(const fe::graph::Graph& graph, cudnnHandle_t handle, cudaStream_
                 Events& ev, std::string* why) {
   auto run = [&]() {
     fe::error_t status = graph.execute_plan_at_index(handle, tensors, workspace, index);
-    if (status.is_bad()) *why = status.get_message();
+    if (status.is_bad()) *why = status.get_message() + variant_pack_text(graph, status, tensors);
     return status.is_good();
   };
   auto cuda = [&](cudaError_t e) {
@@ -349,7 +366,8 @@ ffi::Error run_plan(CachedPlan& plan, DeviceHandle& handle, cudaStream_t stream,
   }
   if (auto err = run.graph->execute_plan_at_index(handle.handle, tensors, aligned, run.index);
       err.is_bad()) {
-    return internal_error(stage_message(op, "execute", err));
+    return internal_error(stage_message(
+        op, "execute", err.get_message() + variant_pack_text(*run.graph, err, tensors)));
   }
   return ffi::Error::Success();
 }

@@ -164,10 +164,14 @@ def test_default_implementation_picks_cudnn():
 
 
 def test_unserved_features_decline_with_reason():
-  args, kwargs = make_case(Config(b=1, t=64, s=64, n=2, k=2, **BF16))
-  with pytest.raises(cudnn_jax.UnsupportedError, match="dropout"):
-    cudnn_jax.sdpa(*args, implementation="cudnn", dropout_rate=0.1,
-                   dropout_rng=jax.random.key(0), **kwargs)
+  """float32 is not a cuDNN SDPA dtype: naming the engine raises the reason, while the
+  default choice falls back to the xla engine with the same result."""
+  args, kwargs = make_case(Config(b=1, t=64, s=64, n=2, k=2, dtype="float32", h=64))
+  with pytest.raises(cudnn_jax.UnsupportedError, match="dtype float32"):
+    cudnn_jax.sdpa(*args, implementation="cudnn", **kwargs)
+  assert "dtype float32" in cudnn_jax.explain("sdpa", *args, **kwargs)
+  fallback = cudnn_jax.sdpa(*args, **kwargs)
+  assert rel_err(fallback, cudnn_jax.sdpa(*args, implementation="xla", **kwargs)) <= 1e-6
 
 
 def test_vmap_under_jit_matches_loop():
