@@ -44,13 +44,15 @@ def _arrays(extras, dtype=jnp.float32, **kwargs):
   return dict(arrays, residual=normal(11, shape, dtype=dtype)), kwargs
 
 
-@pytest.mark.parametrize("extras,tail", [(True, "cudnn"), (False, "cudnn"), (True, "xla")],
-                         ids=["extras", "bare", "extras_tail_in_xla"])
+@pytest.mark.parametrize("extras,tail", [(True, None), (True, "cudnn"), (False, "cudnn"),
+                                         (True, "xla")],
+                         ids=["extras_by_use", "extras", "bare", "extras_tail_in_xla"])
 @pytest.mark.parametrize("kwargs", [k for _, k in OPTIONS], ids=[n for n, _ in OPTIONS])
 def test_values_and_gradients_match_float64(emulated, monkeypatch, kwargs, extras, tail):
   arrays, kwargs = _arrays(extras, **kwargs)
   emulated("conv3d", "cudnn")
-  monkeypatch.setattr(conv3d_module, "TAIL", tail)
+  if tail is not None:  # else each use's own placement
+    monkeypatch.setattr(conv3d_module, "TAIL", dict.fromkeys(conv3d_module.USES, tail))
   call = functools.partial(cudnn_jax.conv3d, **kwargs)
   got = jax.jit(lambda a: call(**a))(arrays)
   want = oracle(**arrays, **kwargs)
@@ -177,7 +179,7 @@ def test_explain_says_how_the_engine_computes(monkeypatch):
       "cuDNN graph: conv + bias + each pixel's sum of squares; then in XLA: rms norm + silu")
   assert describe(prepare(norm="group", num_groups=4)) == (
       "cuDNN graph: conv + bias; then in XLA: group statistics, then group norm")
-  monkeypatch.setattr(conv3d_module, "TAIL", "xla")
+  monkeypatch.setattr(conv3d_module, "TAIL", dict.fromkeys(conv3d_module.USES, "xla"))
   assert describe(prepare(activation="silu")) == "cuDNN graph: conv; then in XLA: bias + silu"
 
 

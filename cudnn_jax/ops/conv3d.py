@@ -210,11 +210,16 @@ engines.register_engine("conv3d", "xla", supports=lambda call: None, run=_run_xl
 # activation run as XLA fusions on the graph's output. Gradients: cuDNN's dgrad and wgrad
 # graphs; the pointwise backward in XLA.
 
-# Where the tail runs: "cudnn" (fused into the convolution's graph, as above) or "xla" (a
-# graph of the convolution alone, the whole tail as XLA fusions after it). A cuDNN graph
-# with a tail may run on a slower convolution kernel than the convolution alone, so which
-# is faster depends on the GPU: bench/conv3d.py times both.
-TAIL = "cudnn"
+# Where the tail runs, by use: "cudnn" (fused into the convolution's graph, as above) or
+# "xla" (a graph of the convolution alone, the whole tail as XLA fusions after it). A cuDNN
+# graph with a tail may run on a slower convolution kernel than the convolution alone, so
+# the faster placement depends on the GPU and on the use: bench/conv3d.py times both. On
+# the H100 (bench/NOTES.md) a forward alone is faster with the tail in XLA, forward and
+# backward together with the norm's sums in the graph. A call that is differentiated runs
+# the "training" placement (its forward and the backward that fits it); one that is not,
+# the "inference" placement.
+TAIL = {"inference": "xla", "training": "cudnn"}
+USES = tuple(TAIL)
 
 
 def _graph_config(call: Conv3dCall, tail: str) -> prim.Conv3dConfig:
@@ -271,12 +276,13 @@ def _conv_tail_bwd(config, saved, cts):
 _conv_tail.defvjp(_conv_tail_fwd, _conv_tail_bwd)
 
 
-def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
-  config = _graph_config(call, TAIL)
+def _run_placed(tail: str, call: Conv3dCall, x: Conv3dInputs):
+  """The cudnn engine with the pointwise tail placed in ``tail``."""
+  config = _graph_config(call, tail)
   w = jnp.transpose(x.w, (4, 0, 1, 2, 3))  # [K, kt, kh, kw, C]
   bias = x.bias.astype(jnp.float32) if config.has_bias else None
   y, sumsq = _conv_tail(config, x.x, w, bias, x.residual if config.has_residual else None)
-  if TAIL == "cudnn" and call.norm is None:
+  if tail == "cudnn" and call.norm is None:
     return y  # the whole computation ran in the graph
   # The rest of the tail, in float32.
   y = y.astype(jnp.float32)
@@ -292,6 +298,31 @@ def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
   return ref.affine_activation(y, x.norm_scale, x.norm_bias, activation).astype(call.out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _by_use(call: Conv3dCall, x: Conv3dInputs):
+  """The "inference" placement; under differentiation, the "training" one (a custom VJP
+  whose primal and forward rule compute the same function in different graphs)."""
+  return _run_placed(TAIL["inference"], call, x)
+
+
+def _by_use_fwd(call, x):
+  return jax.vjp(functools.partial(_run_placed, TAIL["training"], call), x)
+
+
+def _by_use_bwd(call, pull, dy):
+  del call
+  return pull(dy)
+
+
+_by_use.defvjp(_by_use_fwd, _by_use_bwd)
+
+
+def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
+  if TAIL["inference"] == TAIL["training"]:
+    return _run_placed(TAIL["training"], call, x)
+  return _by_use(call, x)
+
+
 def _supports_cudnn(call: Conv3dCall) -> str | None:
   if call.dtype not in ("bfloat16", "float16"):
     return f"dtype {call.dtype}: bfloat16 and float16 only"
@@ -299,13 +330,13 @@ def _supports_cudnn(call: Conv3dCall) -> str | None:
     return "an empty extent: nothing to run"
   if why := _extension.unavailable_reason():
     return why
-  config = _graph_config(call, TAIL)
   n, c, k = call.in_shape[0], call.in_shape[-1], call.kernel[-1]
-  # The graphs a call may run: the forward, under differentiation without its activation,
-  # and the two gradients.
-  for config, pass_ in ((config, "forward"),
-                        (dataclasses.replace(config, activation="none"), "forward"),
-                        (config, "dgrad"), (config, "wgrad")):
+  # The graphs a call may run: the inference forward; the training forward (without its
+  # activation, which the backward needs the input of) and the two gradients.
+  inference, training = (_graph_config(call, TAIL[use]) for use in USES)
+  for config, pass_ in ((inference, "forward"),
+                        (dataclasses.replace(training, activation="none"), "forward"),
+                        (training, "dgrad"), (training, "wgrad")):
     query = config.check_config(pass_, dtype=call.dtype, n=n, c=c, k=k,
                                 out_spatial=call.out_shape[1:4],
                                 residual_dtype=call.residual_dtype)
@@ -314,8 +345,8 @@ def _supports_cudnn(call: Conv3dCall) -> str | None:
   return None
 
 
-def _describe_cudnn(call: Conv3dCall) -> str:
-  config = _graph_config(call, TAIL)
+def _describe_placed(call: Conv3dCall, tail: str) -> str:
+  config = _graph_config(call, tail)
   graph = " + ".join(["conv"] + ["bias"] * config.has_bias + ["residual"] * config.has_residual
                      + [config.activation] * (config.activation != "none")
                      + ["each pixel's sum of squares"] * config.with_sumsq)
@@ -327,6 +358,13 @@ def _describe_cudnn(call: Conv3dCall) -> str:
     return f"one cuDNN graph: {graph}"
   how = "group statistics, then " if call.norm == "group" else ""
   return f"cuDNN graph: {graph}; then in XLA: {how}{' + '.join(rest)}"
+
+
+def _describe_cudnn(call: Conv3dCall) -> str:
+  inference, training = (_describe_placed(call, TAIL[use]) for use in USES)
+  if inference == training:
+    return inference
+  return f"inference: {inference}; differentiated: {training}"
 
 
 engines.register_engine("conv3d", "cudnn", supports=_supports_cudnn, run=_run_cudnn,

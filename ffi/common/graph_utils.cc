@@ -112,7 +112,7 @@ struct Events {
 
 // When `status` says the variant pack lacks a tensor: the uids `graph` binds at execution
 // beside those given, so the message names both sides of the mismatch; else "".
-std::string variant_pack_text(const fe::graph::Graph& graph, const fe::error_t& status,
+std::string variant_pack_text(const fe::graph::Graph& graph, fe::error_t status,
                               const std::unordered_map<int64_t, void*>& tensors) {
   if (status.get_code() != fe::error_code_t::INVALID_VARIANT_PACK) return "";
   auto join = [](std::vector<int64_t> uids) {
