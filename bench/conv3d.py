@@ -9,9 +9,12 @@ video VAE pads (time padded in front only, so no frame sees a later one; height 
 SAME; --padding SAME for the symmetric block). Shapes, by default: [1,17,128,128,128],
 [1,9,256,256,128], [1,5,64,64,512].
 Rows per shape, forward and forward+backward (the gradients of x, w, bias and norm_scale):
-- "cudnn_jax <engine>": cudnn_jax.conv3d on each engine of --engines; for "cudnn" also
-  "cudnn_jax cudnn, tail in xla": the same engine with its pointwise tail after a graph of
-  the convolution alone (``cudnn_jax.ops.conv3d.TAIL = "xla"``) rather than fused into it;
+- "cudnn_jax <engine>": cudnn_jax.conv3d on each engine of --engines (for "cudnn", the
+  placement of its pointwise tail by use: ``cudnn_jax.ops.conv3d.TAIL``); for "cudnn" also
+  "cudnn_jax cudnn, tail in xla", the same engine with its pointwise tail after a graph of
+  the convolution alone for every use, and "cudnn_jax cudnn, tail in cudnn", with bias,
+  residual and the norm's sums fused into the graph for every use: the two placements
+  measured in one run, from which TAIL is chosen;
 - anchors, always in the same run: "jax block" (the baseline), the block written in plain
   JAX as a user would (lax.conv_general_dilated in x's dtype, then bias, residual, RMSNorm
   and SiLU in float32, one jit), and "lax conv", lax.conv_general_dilated alone (the
@@ -105,9 +108,10 @@ def jax_block(x, w, b, r, s, *, padding, eps=1e-6):
 
 
 def tail_in(tail, block):
-  """``block`` traced with the cudnn engine's pointwise tail placed in ``tail``."""
+  """``block`` traced with the cudnn engine's pointwise tail placed in ``tail`` for every
+  use."""
   def traced(*args):
-    saved, conv3d_ops.TAIL = conv3d_ops.TAIL, tail
+    saved, conv3d_ops.TAIL = conv3d_ops.TAIL, dict.fromkeys(conv3d_ops.USES, tail)
     try:
       return block(*args)
     finally:
@@ -123,9 +127,10 @@ def contenders(engines, padding):
     conv = functools.partial(cudnn_jax.conv3d, padding=padding, norm="rms",
                              activation="silu", implementation=engine)
     block = lambda x, w, b, r, s, conv=conv: conv(x, w, b, residual=r, norm_scale=s)
-    out[f"cudnn_jax {engine}"] = (tail_in("cudnn", block), (0, 1, 2, 4))
+    out[f"cudnn_jax {engine}"] = (block, (0, 1, 2, 4))
     if engine == "cudnn":
-      out["cudnn_jax cudnn, tail in xla"] = (tail_in("xla", block), (0, 1, 2, 4))
+      for tail in ("cudnn", "xla"):
+        out[f"cudnn_jax cudnn, tail in {tail}"] = (tail_in(tail, block), (0, 1, 2, 4))
   out[BASELINE] = (functools.partial(jax_block, padding=padding), (0, 1, 2, 4))
   out["lax conv"] = (lambda x, w, b, r, s: lax_conv(x, w, padding), (0, 1))
   return out

@@ -174,13 +174,19 @@ def test_explain_says_how_the_engine_computes(monkeypatch):
   x, w, c = (jnp.zeros(a.shape, a.dtype) for a in (x, w, c))
   prepare = lambda **kw: engines._OPS["conv3d"].prepare(x, w, c, **kw)  # pylint: disable=protected-access
   describe = engines.engine("conv3d", "cudnn").describe
+  assert describe(prepare(norm="rms", activation="silu")) == (
+      "inference: cuDNN graph: conv; then in XLA: bias + rms norm + silu; differentiated: "
+      "cuDNN graph: conv + bias + each pixel's sum of squares; then in XLA: rms norm + silu")
+  monkeypatch.setattr(conv3d_module, "TAIL", dict.fromkeys(conv3d_module.USES, "cudnn"))
   assert describe(prepare(activation="silu")) == "one cuDNN graph: conv + bias + silu"
   assert describe(prepare(norm="rms", activation="silu")) == (
       "cuDNN graph: conv + bias + each pixel's sum of squares; then in XLA: rms norm + silu")
   assert describe(prepare(norm="group", num_groups=4)) == (
       "cuDNN graph: conv + bias; then in XLA: group statistics, then group norm")
   monkeypatch.setattr(conv3d_module, "TAIL", dict.fromkeys(conv3d_module.USES, "xla"))
-  assert describe(prepare(activation="silu")) == "cuDNN graph: conv; then in XLA: bias + silu"
+  assert describe(prepare(norm="group", num_groups=4)) == (
+      "cuDNN graph: conv; then in XLA: group statistics, then bias + group norm")
+  assert describe(prepare(activation="silu")) == "one cuDNN graph: conv + bias + silu"
 
 
 def test_cudnn_declines_what_it_cannot_serve():
@@ -256,3 +262,27 @@ def test_block_takes_the_cudnn_engine_where_it_serves(monkeypatch, api):
   got = run()
   assert chosen == ["cudnn"] * 3, chosen  # conv1, the 1x1x1 skip, conv2
   assert _rel(got, want) < 2e-2
+
+
+def test_placement_by_use(emulated, monkeypatch):
+  """A call that is not differentiated runs the "inference" graph, a differentiated one the
+  "training" graph (and its backward), with the same values."""
+  arrays, kwargs = _arrays(True, norm="rms", activation="silu")
+  emulated("conv3d", "cudnn")
+  graphs = []
+  original = prim.forward
+
+  def recorded(config, *args):
+    graphs.append((config.has_bias, config.with_sumsq))
+    return original(config, *args)
+
+  monkeypatch.setattr(prim, "forward", recorded)
+  call = lambda a: cudnn_jax.conv3d(**a, **kwargs)
+  y = jax.jit(call)(arrays)
+  assert graphs == [(False, False)]  # the convolution alone; the tail in XLA
+  graphs.clear()
+  y_train, pull = jax.vjp(call, arrays)
+  assert graphs == [(True, True)]  # bias and the norm's sums in the graph
+  np.testing.assert_allclose(y_train, y, rtol=1e-5, atol=1e-5)
+  weights = np.random.default_rng(6).standard_normal(y.shape).astype(np.float32)
+  assert_gradients_match(arrays, kwargs, pull(jnp.asarray(weights))[0], weights)

@@ -217,9 +217,14 @@ engines.register_engine("conv3d", "xla", supports=lambda call: None, run=_run_xl
 # the H100 (bench/NOTES.md) a forward alone is faster with the tail in XLA, forward and
 # backward together with the norm's sums in the graph. A call that is differentiated runs
 # the "training" placement (its forward and the backward that fits it); one that is not,
-# the "inference" placement.
+# the "inference" placement. A call with no norm runs whole in one graph for either use:
+# its tail in XLA would only add a pass over the output.
 TAIL = {"inference": "xla", "training": "cudnn"}
 USES = tuple(TAIL)
+
+
+def _placement(call: Conv3dCall, use: str) -> str:
+  return TAIL[use] if call.norm is not None else "cudnn"
 
 
 def _graph_config(call: Conv3dCall, tail: str) -> prim.Conv3dConfig:
@@ -302,11 +307,11 @@ def _run_placed(tail: str, call: Conv3dCall, x: Conv3dInputs):
 def _by_use(call: Conv3dCall, x: Conv3dInputs):
   """The "inference" placement; under differentiation, the "training" one (a custom VJP
   whose primal and forward rule compute the same function in different graphs)."""
-  return _run_placed(TAIL["inference"], call, x)
+  return _run_placed(_placement(call, "inference"), call, x)
 
 
 def _by_use_fwd(call, x):
-  return jax.vjp(functools.partial(_run_placed, TAIL["training"], call), x)
+  return jax.vjp(functools.partial(_run_placed, _placement(call, "training"), call), x)
 
 
 def _by_use_bwd(call, pull, dy):
@@ -318,9 +323,8 @@ _by_use.defvjp(_by_use_fwd, _by_use_bwd)
 
 
 def _run_cudnn(call: Conv3dCall, x: Conv3dInputs):
-  if TAIL["inference"] == TAIL["training"]:
-    return _run_placed(TAIL["training"], call, x)
-  return _by_use(call, x)
+  inference, training = (_placement(call, use) for use in USES)
+  return _run_placed(training, call, x) if inference == training else _by_use(call, x)
 
 
 def _supports_cudnn(call: Conv3dCall) -> str | None:
@@ -333,7 +337,7 @@ def _supports_cudnn(call: Conv3dCall) -> str | None:
   n, c, k = call.in_shape[0], call.in_shape[-1], call.kernel[-1]
   # The graphs a call may run: the inference forward; the training forward (without its
   # activation, which the backward needs the input of) and the two gradients.
-  inference, training = (_graph_config(call, TAIL[use]) for use in USES)
+  inference, training = (_graph_config(call, _placement(call, use)) for use in USES)
   for config, pass_ in ((inference, "forward"),
                         (dataclasses.replace(training, activation="none"), "forward"),
                         (training, "dgrad"), (training, "wgrad")):
@@ -361,7 +365,7 @@ def _describe_placed(call: Conv3dCall, tail: str) -> str:
 
 
 def _describe_cudnn(call: Conv3dCall) -> str:
-  inference, training = (_describe_placed(call, TAIL[use]) for use in USES)
+  inference, training = (_describe_placed(call, _placement(call, use)) for use in USES)
   if inference == training:
     return inference
   return f"inference: {inference}; differentiated: {training}"
