@@ -153,6 +153,37 @@ def test_one_query_row_with_sinks_goes_in_twice(cudnn_serves, monkeypatch, causa
     assert _rel(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_varlen_sequences_of_one_query_row_with_sinks(cudnn_serves, monkeypatch, alignment):
+  """Packed sequences of at most one query row with sinks go into cuDNN as pairs of rows
+  (cuDNN serves sinks with two or more), in place; the answering row of each pair matches
+  the xla engine, values and every gradient."""
+  from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  lengths_q, lengths_kv = [1, 0, 1, 1], [7, 3, 1, 0]
+  cu_q, cu_kv = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
+                 for x in (lengths_q, lengths_kv))
+  q = _normal(rng, (sum(lengths_q) + 2, 4, 16))  # rows past the last sequence
+  k, v = _normal(rng, (sum(lengths_kv) + 1, 2, 16)), _normal(rng, (sum(lengths_kv) + 1, 2, 8))
+  sinks = _normal(rng, (4,))
+
+  def run(q, k, v, s):
+    return cudnn_jax.sdpa_varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=7,
+                                 is_causal=True, causal_alignment=alignment, sinks=s,
+                                 return_lse=True)
+
+  seen, original = [], prim.attention
+  monkeypatch.setattr(prim, "attention", lambda config, *a, **kw: (
+      seen.append(config.packed_max_q), original(config, *a, **kw))[1])
+  (want, want_grads), (got, grads) = _both(run, (q, k, v, sinks), "sdpa_varlen",
+                                           cudnn_serves, [0, 1, 2, 3])
+  assert seen and set(seen) == {2}, seen
+  for name, a, b in zip(["out", "lse"], got, want):
+    assert a.shape == b.shape and _rel(a, b) < 1e-5, name
+  for name, a, b in zip(["dq", "dk", "dv", "dsinks"], grads, want_grads):
+    assert _rel(a, b) < 1e-5, name
+
+
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill"])
 def test_paged_in_place_matches_the_xla_engine(cudnn_serves, monkeypatch, t):
   rng = np.random.default_rng(2)

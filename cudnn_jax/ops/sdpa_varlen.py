@@ -179,9 +179,11 @@ def packed_config(padded: sdpa_ops.SdpaCall):
 
 @functools.lru_cache(maxsize=1024)
 def packed_reason(padded: sdpa_ops.SdpaCall, backward: bool = False) -> str | None:
-  """None when cuDNN serves ``padded``'s sequences as packed rows in place, else why not."""
-  return (sdpa_ops.cudnn_static_reason(padded)
-          or sdpa_ops.cudnn_check(padded, packed_config(padded), backward))
+  """None when cuDNN serves ``padded``'s sequences as packed rows in place, else why not
+  (of the call cuDNN sees: one query row with sinks goes in twice, as in packed_attention)."""
+  view = sdpa_ops.single_row_view(padded)[0]
+  return (sdpa_ops.cudnn_static_reason(view)
+          or sdpa_ops.cudnn_check(view, packed_config(view), backward))
 
 
 def _packed_reason(call: VarlenCall, backward: bool = False) -> str | None:
@@ -196,9 +198,18 @@ def packed_attention(padded: sdpa_ops.SdpaCall, query, key, value, q_sequences, 
   rows that keep no key, are 0 (lse -inf, or the sink)."""
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
   (q_starts, q_lengths), (kv_starts, kv_lengths) = q_sequences, kv_sequences
+  backward_ok = backward_ok or functools.partial(packed_reason, padded, True)
+  view, row = sdpa_ops.single_row_view(padded)
+  if row is not None:
+    # Sequences of at most one query row, with sinks (cuDNN serves sinks with two or more
+    # rows): every row goes in twice, the sequences' rows doubled, and the answering row of
+    # each pair is kept (sdpa_ops.single_row_view says which).
+    out, lse = packed_attention(view, jnp.repeat(query, 2, axis=0), key, value,
+                                (2 * q_starts, q_lengths * (1 + row)), kv_sequences, sinks,
+                                seed, backward_ok)
+    return out[row::2], None if lse is None else lse[:, row::2]
   rows_q, rows_kv = query.shape[0], key.shape[0]
   first_rows = lambda starts, rows: jnp.append(starts, rows).astype(jnp.int32)  # [n+1]
-  backward_ok = backward_ok or functools.partial(packed_reason, padded, True)
   out, *lse = prim.attention(
       packed_config(padded), backward_ok, query, key, value, None, q_lengths, kv_lengths,
       first_rows(q_starts, rows_q), first_rows(kv_starts, rows_kv), sinks, *seed)
