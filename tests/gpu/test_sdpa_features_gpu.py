@@ -551,6 +551,36 @@ def test_varlen_equals_per_sequence_sdpa():
   assert np.all(np.asarray(dv[tail_kv], np.float32) == 0)
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_varlen_one_row_sequences_with_sinks(alignment):
+  """Packed sequences of at most one query row (decoding in varlen form) with sinks: the
+  cudnn engine serves them in place (each row goes in twice), equal to the xla engine in
+  values, lse and every gradient."""
+  q_lens, kv_lens = [1, 1, 0, 1, 1], [300, 1, 17, 0, 64]
+  rng = np.random.default_rng(11)
+  q, k, v, cu_q, cu_kv = varlen_case(rng, q_lens, kv_lens, n=8, k=2, h=128, hv=128)
+  q, k, v = bf16(q), bf16(k), bf16(v)
+  sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
+  d_out = jnp.asarray(cotangent((q.shape[0], 8, 128), jnp.bfloat16, 5))
+
+  def run(implementation):
+    f = lambda *a: cudnn_jax.sdpa_varlen(
+        *a[:3], cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=max(kv_lens), sinks=a[3],
+        is_causal=True, causal_alignment=alignment, return_lse=True,
+        implementation=implementation)
+    return jax.jit(lambda *a: (lambda o, l, p: (o, l, p(d_out)))(*vjp_out(f, *a)))(
+        q, k, v, sinks)
+
+  assert "in place" in cudnn_jax.explain(
+      "sdpa_varlen", q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=max(kv_lens),
+      sinks=sinks, is_causal=True, causal_alignment=alignment, implementation="cudnn")
+  (out, lse, grads), (want, want_lse, want_grads) = run("cudnn"), run("xla")
+  assert rel_err(out, want) <= REL_TOL
+  assert lse_err(lse, want_lse) <= LSE_TOL
+  for name, g, w in zip(["dq", "dk", "dv", "dsinks"], grads, want_grads):
+    assert rel_err(g, w) <= REL_TOL, name
+
+
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("t", [1, 16])
 def test_paged_equals_sdpa_on_gathered_cache(t, page):
