@@ -39,7 +39,7 @@ named_tests() {  # LOG_NAME TEST...
   local log=$1; shift
   CUDNN_JAX_TEST_RECORDS=$LOG/$log.jsonl CUDNN_JAX_TEST_TIMEOUT=${TEST_TIMEOUT:-180} \
     timeout "${NAMED_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rA \
-    -k "not random_sweep" "$@" > "$LOG/$log.log" 2>&1
+    -k "not random_sweep and not gpu_tier" "$@" > "$LOG/$log.log" 2>&1
   echo "named GPU tests ($log): $(tail -1 "$LOG/$log.log")"
 }
 if [ "${NAMED_TIMEOUT:-600}" != 0 ]; then
@@ -62,6 +62,41 @@ for bench in ${BENCHES-sdpa}; do  # e.g. BENCHES="sdpa kda moe"; BENCHES="" runs
     ${!per_bench:-${BENCH_ARGS:-}} \
     2>&1 | tee "$LOG/bench_$bench.log"
 done
+
+# The differential GPU tier (tests/gpu/test_differential_gpu.py), when DIFF_PROCS > 0:
+# DIFF_PROCS processes share the GPU, process i checking every DIFF_SHARDS-th configuration
+# (default DIFF_PROCS) from the (DIFF_FIRST + i)-th of each op in DIFF_OPS (default all),
+# CUDNN_JAX_DIFF_N configurations per op (default 300); a table per op and shard under
+# LOG/differential-gpu, a configuration's rows written as it ends.
+if [ "${DIFF_PROCS:-0}" -gt 0 ]; then
+  DIFF_DIR=$LOG/differential-gpu; mkdir -p "$DIFF_DIR"
+  DSHARDS=${DIFF_SHARDS:-$DIFF_PROCS}; DFIRST=${DIFF_FIRST:-0}
+  DIFF_TESTS=(); for op in ${DIFF_OPS:-}; do
+    DIFF_TESTS+=("$TREE/tests/gpu/test_differential_gpu.py::test_gpu_tier[$op]"); done
+  [ ${#DIFF_TESTS[@]} = 0 ] && DIFF_TESTS=("$TREE/tests/gpu/test_differential_gpu.py")
+  for i in $(seq "$DFIRST" $((DFIRST + DIFF_PROCS - 1))); do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $DIFF_PROCS, 3))") \
+      CUDNN_JAX_DIFF_DIR=$DIFF_DIR CUDNN_JAX_DIFF_N=${CUDNN_JAX_DIFF_N:-300} \
+      CUDNN_JAX_SWEEP_SHARD=$i/$DSHARDS CUDNN_JAX_TEST_RECORDS=$DIFF_DIR/records_$i.jsonl \
+      OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout "${DIFF_TIMEOUT:-480}" \
+      python3 -m pytest -q -p no:cacheprovider "${DIFF_TESTS[@]}" \
+      > "$DIFF_DIR/pytest_$i.log" 2>&1 &
+  done
+  wait
+  python3 - "$DIFF_DIR" <<'PY'
+import collections, csv, pathlib, sys
+counts = collections.defaultdict(collections.Counter)
+configs = collections.defaultdict(set)
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.csv")):
+  for row in csv.DictReader(path.open()):
+    counts[row["op"]][(row["engine"], row["ok"])] += 1
+    configs[row["op"]].add(row["config"])
+for op in sorted(counts):
+  print(f"differential {op}: {len(configs[op])} configurations;",
+        ", ".join(f"{e} {'ok' if ok == 'True' else 'FAILED'} {n}"
+                  for (e, ok), n in sorted(counts[op].items())))
+PY
+fi
 
 [ "${SWEEP_TIMEOUT:-300}" = 0 ] && exit 0
 # The sweep, split over processes that share the GPU.

@@ -542,22 +542,39 @@ def check(op, cfg, seed=0):
   return rows
 
 
-def sweep(op, n, seed=0, tier="cpu"):
-  """``n`` random configurations of ``op`` (seeded), checked: a list of ``Row``."""
+def sweep(op, n, seed=0, tier="cpu", shard=(0, 1), table=None):
+  """``n`` random configurations of ``op`` (seeded), checked: a list of ``Row``.
+  ``shard=(i, m)`` checks every m-th configuration from the i-th (the same configurations
+  whatever the split); ``table``, a path, gets each configuration's rows as it ends."""
   rng = np.random.default_rng([seed, sorted(OPS).index(op)])
+  index, shards = shard
   rows = []
   for i in range(n):
-    rows += check(op, OPS[op].generate(rng, tier), seed=seed * 100003 + i)
+    cfg = OPS[op].generate(rng, tier)
+    if i % shards != index:
+      continue
+    done = check(op, cfg, seed=seed * 100003 + i)
+    if table is not None:
+      write_table(done, table, append=True)
+    rows += done
+    if tier == "gpu":
+      jax.clear_caches()  # hundreds of distinct programs: keep the compiled ones bounded
   return rows
 
 
-def write_table(rows, path):
-  """The rows as CSV (one line per configuration and engine, the configuration as JSON)."""
+COLUMNS = ["op", "engine", "ok", "vs_xla", "vs_f64", "tol", "error", "config"]
+
+
+def write_table(rows, path, append=False):
+  """The rows as CSV (one line per configuration and engine, the configuration as JSON);
+  ``append`` adds them to the file (its header written once)."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  with path.open("w", newline="") as f:
+  header = not (append and path.exists())
+  with path.open("a" if append else "w", newline="") as f:
     w = csv.writer(f)
-    w.writerow(["op", "engine", "ok", "vs_xla", "vs_f64", "tol", "error", "config"])
+    if header:
+      w.writerow(COLUMNS)
     for r in rows:
       w.writerow([r.op, r.engine, r.ok, r.vs_xla, r.vs_f64, r.tol, r.error,
                   json.dumps(r.config, sort_keys=True)])
