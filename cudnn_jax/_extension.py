@@ -1,20 +1,33 @@
 """Loads the compiled extension ``cudnn_jax._ffi`` and registers its FFI handlers with XLA.
 
-The extension is optional: a build without a CUDA toolkit has none, and every op then runs
-on the pure-JAX ``xla`` engine (one notice, logged once).
+Without the extension (installed without it, or unable to load), or without a cuDNN it
+can load, every op runs on the pure-JAX ``xla`` engine: on a GPU the first call warns once
+(``EngineWarning``), naming the cause and the fix, and ``explain`` says the same; a process
+without a GPU stays silent. ``python -m cudnn_jax`` prints what this machine has.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import jax
 
 _log = logging.getLogger("cudnn_jax")
 
+# The oldest cuDNN the handlers are built and tested against.
+MIN_CUDNN = 91900
+# The engines whose kernels live in the extension (the Pallas ones need only a GPU).
+EXTENSION_ENGINES = ("cudnn", "cute")
+
+
+class EngineWarning(RuntimeWarning):
+  """The GPU engines are off on a GPU: every op runs on the (slower) ``xla`` engine."""
+
 
 _import_error: str | None = None
+_warned = False
 
 
 @functools.cache
@@ -33,13 +46,41 @@ def module():
   return _ffi
 
 
+def gpu_problem() -> tuple[str, str] | None:
+  """``(cause, fix)`` when the GPU engines cannot run on a GPU: no extension, one that does
+  not load, or no cuDNN it can load; None when they can."""
+  m = module()
+  if m is None:
+    if _import_error and "No module named" in _import_error:
+      return ("cudnn_jax was installed without its compiled extension (cudnn_jax._ffi)",
+              "reinstall it on Linux x86-64 (pip install --force-reinstall --no-deps "
+              "cudnn-jax, or the wheel); README, Set up, says how")
+    return (f"the compiled extension cudnn_jax._ffi cannot be loaded ({_import_error})",
+            "install JAX for CUDA 13 (pip install -U 'jax[cuda13]'), whose CUDA runtime and "
+            "cuDNN the extension loads, then reinstall cudnn-jax")
+  version = m.cudnn_version()
+  if version < MIN_CUDNN:
+    found = f"cuDNN {version}" if version else "no cuDNN library"
+    return (f"{found} loads; the GPU engines need cuDNN >= {MIN_CUDNN}",
+            "pip install -U 'nvidia-cudnn-cu13>=9.19' (JAX's CUDA 13 plugin brings it)")
+  return None
+
+
 def unavailable_reason() -> str | None:
-  """None when the GPU engines can run here, else why not."""
+  """None when the GPU engines can run here, else why not. On a GPU, the first time they
+  cannot, warns once (EngineWarning) with the cause and the fix."""
+  global _warned
   if jax.default_backend() != "gpu":
     return f"default backend is {jax.default_backend()!r}, not 'gpu'"
-  if module() is None:
-    return f"the compiled extension cudnn_jax._ffi cannot be loaded ({_import_error})"
-  return None
+  problem = gpu_problem()
+  if problem is None:
+    return None
+  text = f"{problem[0]}; to fix: {problem[1]}"
+  if not _warned:
+    _warned = True
+    warnings.warn(f"cudnn_jax: {text}. Every op runs on the 'xla' engine.", EngineWarning,
+                  stacklevel=2)
+  return text
 
 
 def cache_info() -> dict:
@@ -75,3 +116,38 @@ def kernel_constants() -> dict[str, dict[str, int | tuple[str, ...]]] | None:
   m = module()
   return None if m is None else {kernel: dict(values)
                                  for kernel, values in m.kernel_constants().items()}
+
+
+def report() -> str:
+  """What this machine gives cudnn_jax: JAX's backend and devices, the extension, cuDNN's
+  version, the linked kernels, and each op's engines here."""
+  from cudnn_jax import engines  # pylint: disable=g-import-not-at-top
+  import cudnn_jax  # pylint: disable=g-import-not-at-top
+  m = module()
+  lines = [f"cudnn_jax {getattr(cudnn_jax, '__version__', '')} with JAX {jax.__version__}",
+           f"backend: {jax.default_backend()}; devices: "
+           + ", ".join(sorted({d.device_kind for d in jax.devices()}))]
+  if m is None:
+    lines.append(f"extension: not loaded ({_import_error})")
+  else:
+    lines.append(f"extension: {m.__file__}")
+    version = m.cudnn_version()
+    lines.append(f"cuDNN: {version}" if version else "cuDNN: none loads")
+    kernels = aot_kernels()
+    lines.append(f"ahead-of-time kernels: {len(kernels)}"
+                 + (f" ({', '.join(kernels)})" if kernels else ""))
+  gpu_off = unavailable_reason()
+  if gpu_off:
+    lines.append(f"GPU engines: off: {gpu_off}")
+  lines.append("engines by op (first that serves a call wins; 'xla' serves every call):")
+  for op in sorted(engines._OPS):  # pylint: disable=protected-access
+    names = []
+    registered = engines._OPS[op].engines  # pylint: disable=protected-access
+    for name, engine in sorted(registered.items(),
+                               key=lambda item: engines.ENGINE_NAMES.index(item[0])):
+      off = name != "xla" and (jax.default_backend() != "gpu"
+                               or (gpu_off and name in EXTENSION_ENGINES))
+      state = "off" if off else "opt-in" if engine.opt_in else "on"
+      names.append(f"{name} ({state})")
+    lines.append(f"  {op}: " + ", ".join(names))
+  return "\n".join(lines)
