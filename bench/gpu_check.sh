@@ -27,6 +27,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 # Ahead-of-time kernels compiled on the build box (python kernels/aot.py .aot): this
 # machine has no CuTe DSL, so the build links those objects.
 [ -f "$TREE/.aot/aot_kernels.h" ] && export CUDNN_JAX_KERNELS_DIR=$TREE/.aot
+# Offline, the build cannot fetch its CUDA compiler from the package index: this machine's
+# toolkit builds (CUDNN_JAX_CUDA_ROOT overrides the build requirements' nvcc).
+export CUDNN_JAX_CUDA_ROOT=${CUDNN_JAX_CUDA_ROOT:-/usr/local/cuda}
 start=$(date +%s)
 python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
   || { tail -60 "$LOG/build.log"; exit 1; }
