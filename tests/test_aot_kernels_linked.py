@@ -1,13 +1,12 @@
 """The installed extension links every ahead-of-time kernel variant the "cute" engines use.
 
-Runs where the extension was built (nvcc on the PATH and ``cudnn_jax._ffi`` importable), so
+Runs where the extension was built (``cudnn_jax._ffi`` importable: on Linux x86-64 every
+install builds it, with the CUDA compiler the build requirements bring), so
 a dependency change that drops the CuTe DSL from the build (the "cute" engines would then
 decline, and MoE would fall back to ``lax.ragged_dot``) fails here instead of passing
 silently. The variants are named from the kernels' constants (their epilogues, built
 into the extension whether or not the kernels were) by the engine's own naming.
 """
-
-import shutil
 
 import pytest
 
@@ -15,8 +14,8 @@ from cudnn_jax import _extension
 from cudnn_jax.ops import gemm
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or _extension.module() is None,
-                    reason="no nvcc / no built extension: the AOT kernels are not built here")
+@pytest.mark.skipif(_extension.module() is None,
+                    reason="no built extension: the AOT kernels are not built here")
 def test_extension_links_every_variant_the_engines_use():
   epilogues = _extension.kernel_constants()["grouped_gemm"]["epilogues"]
   used = {variant for dtype in ("bfloat16", "float16") for epilogue in epilogues
