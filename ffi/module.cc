@@ -69,7 +69,7 @@ const std::vector<Target>& targets() {
 nb::tuple str_tuple(const char* const* names, size_t count) {
   nb::tuple out = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(count)));
   for (size_t i = 0; i < count; ++i) {
-    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), nb::str(names[i]).release().ptr());
+    PyTuple_SetItem(out.ptr(), static_cast<Py_ssize_t>(i), nb::str(names[i]).release().ptr());
   }
   return out;
 }
@@ -141,7 +141,8 @@ nb::handle entry(const nb::dict& d, const char* name) {
 
 bool as_bool(const nb::dict& d, const char* name) {
   PyObject* value = entry(d, name).ptr();
-  const std::string_view type = Py_TYPE(value)->tp_name;
+  // The stable ABI has no PyTypeObject fields: the type's name through nanobind.
+  const std::string type = nb::type_name(nb::handle(value).type()).c_str();
   if (!PyBool_Check(value) && type != "numpy.bool" && type != "numpy.bool_") {
     wrong_type(name, "a bool");
   }
