@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 from cudnn_jax import _extension
@@ -68,3 +69,15 @@ def test_sdpa_check_names_a_mistyped_attribute():
     _extension.module().sdpa_check(_sdpa_config(causal="yes"))
   with pytest.raises(TypeError, match="'window_left'.* an int"):
     _extension.module().sdpa_check(_sdpa_config(window_left=1.5))
+
+
+@pytest.mark.parametrize("flag", [True, np.bool_(True)], ids=["python", "numpy"])
+def test_sdpa_check_takes_python_and_numpy_bools(flag):
+  """Past the attribute reading (on a CPU the check then fails for want of a device), and
+  an int is no bool."""
+  try:
+    _extension.module().sdpa_check(_sdpa_config(causal=flag))
+  except (ValueError, RuntimeError) as e:
+    assert "'causal'" not in str(e)
+  with pytest.raises(TypeError, match="'causal'.* a bool"):
+    _extension.module().sdpa_check(_sdpa_config(causal=1))
