@@ -61,8 +61,9 @@ def gpu_problem() -> tuple[str, str] | None:
   version = m.cudnn_version()
   if version < MIN_CUDNN:
     found = f"cuDNN {version}" if version else "no cuDNN library"
-    return (f"{found} loads; the GPU engines need cuDNN >= {MIN_CUDNN}",
-            "pip install -U 'nvidia-cudnn-cu13>=9.19' (JAX's CUDA 13 plugin brings it)")
+    least = f"{MIN_CUDNN // 10000}.{MIN_CUDNN // 100 % 100}"
+    return (f"{found} loads; the GPU engines need cuDNN >= {least}",
+            f"pip install -U 'nvidia-cudnn-cu13>={least}' (JAX's CUDA 13 plugin brings it)")
   return None
 
 
@@ -136,6 +137,7 @@ def report() -> str:
     kernels = aot_kernels()
     lines.append(f"ahead-of-time kernels: {len(kernels)}"
                  + (f" ({', '.join(kernels)})" if kernels else ""))
+  on_gpu = jax.default_backend() == "gpu"
   gpu_off = unavailable_reason()
   if gpu_off:
     lines.append(f"GPU engines: off: {gpu_off}")
@@ -145,8 +147,7 @@ def report() -> str:
     registered = engines._OPS[op].engines  # pylint: disable=protected-access
     for name, engine in sorted(registered.items(),
                                key=lambda item: engines.ENGINE_NAMES.index(item[0])):
-      off = name != "xla" and (jax.default_backend() != "gpu"
-                               or (gpu_off and name in EXTENSION_ENGINES))
+      off = name != "xla" and (not on_gpu or (gpu_off and name in EXTENSION_ENGINES))
       state = "off" if off else "opt-in" if engine.opt_in else "on"
       names.append(f"{name} ({state})")
     lines.append(f"  {op}: " + ", ".join(names))

@@ -141,13 +141,14 @@ nb::handle entry(const nb::dict& d, const char* name) {
 
 bool as_bool(const nb::dict& d, const char* name) {
   PyObject* value = entry(d, name).ptr();
-  // numpy's bool scalars too; the stable ABI has no PyTypeObject fields, so the type's
-  // module and name are read as attributes.
-  nb::handle type = nb::handle(value).type();
-  const bool numpy_bool = nb::cast<std::string>(type.attr("__module__")) == "numpy" &&
-                          nb::cast<std::string>(type.attr("__name__")).rfind("bool", 0) == 0;
-  if (!PyBool_Check(value) && !numpy_bool) {
-    wrong_type(name, "a bool");
+  if (!PyBool_Check(value)) {
+    // numpy's bool scalars too; the stable ABI has no PyTypeObject fields, so the type's
+    // module and name are read as attributes.
+    nb::handle type = nb::handle(value).type();
+    if (nb::cast<std::string>(type.attr("__module__")) != "numpy" ||
+        nb::cast<std::string>(type.attr("__name__")).rfind("bool", 0) != 0) {
+      wrong_type(name, "a bool");
+    }
   }
   return PyObject_IsTrue(value) == 1;
 }

@@ -4,9 +4,11 @@ Tests under tests/gpu/ carry the `gpu` marker and run only where the default bac
 a GPU and the cuDNN engine is available; everywhere else they are skipped.
 """
 
+import json
 import os
 import pathlib
 import sys
+import time
 
 # Must happen before jax initializes its backends; it only affects the host platform.
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -76,8 +78,6 @@ _TIMEOUT = float(os.environ.get("CUDNN_JAX_TEST_TIMEOUT", "0"))
 
 
 def _record(**fields):
-  import json  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   with open(_RECORDS, "a") as f:
     f.write(json.dumps({"time": round(time.time(), 1), **fields}, default=str) + "\n")
 

@@ -41,9 +41,16 @@ def lse_err(actual, expected) -> float:
   return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0))
 
 
+def shard_of_process() -> tuple[int, int]:
+  """``(i, n)`` of CUDNN_JAX_SWEEP_SHARD="i/n": this process's shard of ``n`` (default
+  ``(0, 1)``: everything)."""
+  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
+  return index, shards
+
+
 def shard(cases: list) -> list:
   """This process's share of ``cases`` (CUDNN_JAX_SWEEP_SHARD)."""
-  index, shards = map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/"))
+  index, shards = shard_of_process()
   return cases[index::shards]
 
 

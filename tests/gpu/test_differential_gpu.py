@@ -15,12 +15,13 @@ import pathlib
 import pytest
 
 import differential
+import gpu_sweep
 
 pytestmark = pytest.mark.gpu
 
 N = int(os.environ.get("CUDNN_JAX_DIFF_N", "1000"))
 OUT = pathlib.Path(os.environ.get("CUDNN_JAX_DIFF_DIR", "differential-gpu"))
-SHARD = tuple(map(int, os.environ.get("CUDNN_JAX_SWEEP_SHARD", "0/1").split("/")))
+SHARD = gpu_sweep.shard_of_process()
 
 
 @pytest.mark.parametrize("op", sorted(differential.OPS))
