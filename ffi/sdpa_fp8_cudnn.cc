@@ -330,7 +330,7 @@ std::string decode_call(const char* op, const ffi::Dictionary& attrs,
 }
 
 // The scale operands (by `uids`, in order) and the lengths of `call` bound into `tensors`.
-void bind(std::unordered_map<int64_t, void*>& tensors, const Uid* uids, const Call& call) {
+void bind_operands(std::unordered_map<int64_t, void*>& tensors, const Uid* uids, const Call& call) {
   for (size_t i = 0; i < call.scales.size(); ++i) {
     tensors[uids[i]] = call.scales[i].untyped_data();
   }
@@ -412,7 +412,7 @@ ffi::Error sdpa_fp8_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
         {kO, out->untyped_data()},  {kStats, lse->untyped_data()},
         {kAmaxO, amax->untyped_data()}, {kAmaxS, scratch[0]},
     };
-    bind(tensors, kFwdScales, call);
+    bind_operands(tensors, kFwdScales, call);
     // Rows past the valid lengths are not written by cuDNN; amax starts from 0.
     if (ffi::Error e = prefill(stream, op, c.has_padding, {&*out}); e.failure()) return e;
     if (ffi::Error e = prefill(stream, op, false, {&*lse}); e.failure()) return e;
@@ -463,7 +463,7 @@ ffi::Error sdpa_fp8_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
         {kAmaxDQ, scratch[0]},        {kAmaxDK, scratch[1]},       {kAmaxDV, scratch[2]},
         {kAmaxDP, scratch[3]},
     };
-    bind(tensors, kBwdScales, call);
+    bind_operands(tensors, kBwdScales, call);
     if (ffi::Error e = prefill(stream, op, c.has_padding, {&*dq, &*dk, &*dv}); e.failure()) {
       return e;
     }
