@@ -5,8 +5,10 @@ state update and a decay gate: per channel (``kda``, ``g [B,T,HV,K]``) or per he
 (``gdn``, ``g [B,T,HV]``).
 
 The op's path: this module (arguments, engine choice, sharding), then an engine:
-``"xla"`` (cudnn_jax/reference/kda.py, pure JAX) or ``"triton"`` (cudnn_jax/triton/kda.py,
-Pallas kernels composed with the reference's stages). Sequences and value heads are
+``"cudnn"`` (NVIDIA's sm_90 kernels from the cuDNN frontend wheel, hosted by the extension:
+cudnn_jax/primitives/kda.py, ffi/kda_cudnn.cc), ``"triton"`` (cudnn_jax/triton/kda.py,
+Pallas kernels composed with the reference's stages) or ``"xla"``
+(cudnn_jax/reference/kda.py, pure JAX). Sequences and value heads are
 independent, so on a device mesh the engine runs on each device's shard of the batch and
 the heads (``core.per_shard``), with no communication.
 """
@@ -19,9 +21,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, _metadata, engines
+from cudnn_jax import _checks, _extension, _metadata, engines
 from cudnn_jax.ops import kda_sequence_parallel
 from cudnn_jax.primitives import core
+from cudnn_jax.primitives import kda as cudnn_kda
 
 CHUNK_SIZES = {"kda": (32, 64), "gdn": (16, 32, 64)}  # gdn's 16 as FLA's chunk_gated_delta_rule
 
@@ -311,8 +314,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
   Returns ``(o [B,T,HV,V]`` in q's dtype, ``final_state [N,HV,K,V]`` float32 or None unless
   ``output_final_state``). Differentiable in q, k, v, g, beta, initial_state, a_log,
-  dt_bias. ``implementation``: None, "triton" (Pallas kernels through Triton; NVIDIA GPUs),
-  "xla", or a sequence of those, as for every op.
+  dt_bias. ``implementation``: None, "cudnn" (NVIDIA's sm_90 kernels from the cuDNN
+  frontend; bfloat16, K = V = 128, Hopper), "triton" (Pallas kernels through Triton; NVIDIA
+  GPUs), "xla", or a sequence of those, as for every op.
   """
   kwargs = {k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v", "g", "beta")}
   return _apply("kda", q, k, v, g, beta, kwargs)
@@ -364,7 +368,29 @@ def _run_triton(call: KdaCall, x: KdaInputs):
   return triton_kda.kda(x.q, x.k, x.v, x.g, x.beta, **_options(call, x))
 
 
+# "cudnn": NVIDIA's sm_90 KDA kernels (cudnn_jax/primitives/kda.py): the fused forward
+# and the four-kernel backward, the preprocessing they lack in XLA around them.
+
+
+def _cudnn_options(call: KdaCall) -> cudnn_kda.Options:
+  return cudnn_kda.Options(
+      scalar_gate=call.op == "gdn", scale=call.scale, qk_l2norm=call.qk_l2norm,
+      gate_in_kernel=call.gate_in_kernel, lower_bound=call.lower_bound,
+      beta_sigmoid=call.beta_sigmoid, allow_neg_eigval=call.allow_neg_eigval,
+      varlen=call.varlen)
+
+
+def _supports_cudnn(call: KdaCall) -> str | None:
+  return cudnn_kda.supports(call, lambda: _extension.sm90_reason("cudnn_jax_kda_fwd"))
+
+
+def _run_cudnn(call: KdaCall, x: KdaInputs):
+  return cudnn_kda.kda(_cudnn_options(call), x)
+
+
 for _op in ("kda", "gdn"):
   engines.register_op(_op, lambda *a, _op=_op, **kw: _prepare(*a, op=_op, **kw)[0])
+  engines.register_engine(_op, "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+                          opt_in=True, describe=lambda c: cudnn_kda.rule(_cudnn_options(c)))
   engines.register_engine(_op, "triton", supports=_supports_triton, run=_run_triton)
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)
