@@ -125,14 +125,16 @@ def _query_rows_seen(monkeypatch, name):
 
 @pytest.mark.parametrize("causal,alignment,lengths", [
     (False, "top_left", False), (True, "top_left", False), (True, "bottom_right", False),
-    (True, "bottom_right", True), (True, "bottom_right", "one key")])
+    (True, "bottom_right", True), (True, "bottom_right", "one key"),
+    (True, "bottom_right", "more rows than keys")])
 def test_one_query_row_with_sinks_goes_in_twice(cudnn_serves, monkeypatch, causal,
                                                 alignment, lengths):
   """cuDNN serves sinks with two or more query rows only: a single row goes in repeated,
   and the row whose keys are the single row's answers (values and every gradient)."""
   rng = np.random.default_rng(4)
-  s_len = 1 if lengths == "one key" else 9
-  q, k, v = (_normal(rng, (3, 1, 4, 16)), _normal(rng, (3, s_len, 2, 16)),
+  s_len = 1 if lengths in ("one key", "more rows than keys") else 9
+  t_len = 5 if lengths == "more rows than keys" else 1  # rows without keys are cut: one left
+  q, k, v = (_normal(rng, (3, t_len, 4, 16)), _normal(rng, (3, s_len, 2, 16)),
              _normal(rng, (3, s_len, 2, 16)))
   sinks = _normal(rng, (4,))
   q_len = jnp.asarray([1, 0, 1], jnp.int32) if lengths is True else None
@@ -160,10 +162,12 @@ def test_varlen_sequences_of_one_query_row_with_sinks(cudnn_serves, monkeypatch,
   the xla engine, values and every gradient."""
   from cudnn_jax.primitives import sdpa as prim  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(5)
-  lengths_q, lengths_kv = [1, 0, 1, 1], [7, 3, 1, 0]
+  # A sequence without rows, one without keys (its row's lse is the sink) and rows past
+  # the last sequence (lse -inf).
+  lengths_q, lengths_kv = [1, 1, 0, 1, 1], [7, 1, 3, 0, 4]
   cu_q, cu_kv = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
                  for x in (lengths_q, lengths_kv))
-  q = _normal(rng, (sum(lengths_q) + 2, 4, 16))  # rows past the last sequence
+  q = _normal(rng, (sum(lengths_q) + 3, 4, 16))
   k, v = _normal(rng, (sum(lengths_kv) + 1, 2, 16)), _normal(rng, (sum(lengths_kv) + 1, 2, 8))
   sinks = _normal(rng, (4,))
 
@@ -273,3 +277,22 @@ def test_segment_ids_as_packed_sequences(cudnn_serves, monkeypatch, ids):
   (want, want_grads), (got, grads) = _both(run, (q, k, v), "sdpa", cudnn_serves, [0, 1, 2])
   for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got + grads, want + want_grads):
     assert _rel(a, b) < 1e-5, name
+
+
+def test_varlen_rows_past_the_sequences_have_lse_minus_inf_with_sinks(cudnn_serves):
+  """Rows no sequence owns: lse -inf; a sequence's row without keys: the sink logit."""
+  rng = np.random.default_rng(5)
+  lengths_q, lengths_kv = [1, 1, 0, 1, 1], [300, 1, 17, 0, 64]
+  cu_q, cu_kv = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
+                 for x in (lengths_q, lengths_kv))
+  q = _normal(rng, (sum(lengths_q) + 3, 4, 16))
+  k, v = (_normal(rng, (sum(lengths_kv) + 1, 2, 16)) for _ in range(2))
+  sinks = _normal(rng, (4,))
+  run = lambda: cudnn_jax.sdpa_varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300,
+                                      is_causal=True, sinks=sinks, return_lse=True)
+  _, want = run()
+  cudnn_serves("sdpa_varlen")
+  _, got = run()
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  assert np.all(np.isneginf(np.asarray(got)[:, 4:]))
+  assert _rel(got, want) < 1e-5

@@ -421,7 +421,7 @@ def _supports_cudnn(call: SdpaCall) -> str | None:
     from cudnn_jax.ops import sdpa_varlen  # pylint: disable=g-import-not-at-top
     padded, why = _segments_view(call)
     return why or sdpa_varlen.packed_reason(padded)
-  return _cudnn_check(_cudnn_view(single_row_view(call)[0])[0], backward=False)
+  return _cudnn_check(single_row_view(_cudnn_view(call)[0])[0], backward=False)
 
 
 def segment_runs(q_segment_ids, kv_segment_ids, runs):
@@ -556,20 +556,25 @@ def _row_valid(call: SdpaCall, x: SdpaInputs):
 def _run_cudnn(call: SdpaCall, x: SdpaInputs):
   if call.has_segments:
     return _run_segments(call, x)
-  call, row = single_row_view(call)
-  if row is not None:
-    query, q_lengths = repeat_query(row, x.query, x.query_seq_lengths)
-    x = x._replace(query=query, query_seq_lengths=q_lengths)
   call, skip = _cudnn_view(call)
   if skip:
     cut = lambda a: a if a is None or a.shape[2] == 1 else a[:, :, skip:]
     x = x._replace(query=x.query[:, skip:], bias=cut(x.bias), mask=cut(x.mask))
+  call, row = single_row_view(call)  # after the cut, which may leave one row
+  if row is not None:
+    query, q_lengths = repeat_query(row, x.query, x.query_seq_lengths)
+    x = x._replace(query=query, query_seq_lengths=q_lengths)
   out, lse = _run_cudnn_rows(call, x)
+  if row is not None:
+    out, lse = answer_row(row, out, lse)
   if skip:
     out = jnp.pad(out, ((0, 0), (skip, 0), (0, 0), (0, 0)))
-    if lse is not None:
+    if lse is not None:  # rows without keys: lse -inf, or the sink logit
       lse = jnp.pad(lse, ((0, 0), (0, 0), (skip, 0)), constant_values=-jnp.inf)
-  return (out, lse) if row is None else answer_row(row, out, lse)
+      if x.sinks is not None:
+        cut_rows = jnp.arange(lse.shape[-1]) < skip
+        lse = jnp.where(cut_rows, x.sinks[None, :, None].astype(lse.dtype), lse)
+  return out, lse
 
 
 def _run_cudnn_rows(call: SdpaCall, x: SdpaInputs):

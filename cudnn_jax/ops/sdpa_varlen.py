@@ -224,8 +224,9 @@ def packed_attention(padded: sdpa_ops.SdpaCall, query, key, value, q_sequences, 
     out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
   if lse is not None:
     lse = unpad_rows(jnp.swapaxes(lse, 1, 2), q_index, rows_q, -jnp.inf)  # [Tq, N]
-    if valid is not None:
-      empty = -jnp.inf if sinks is None else sinks[None, :]
+    if valid is not None:  # a sequence's row without keys: the sink; other rows -inf
+      empty = -jnp.inf if sinks is None else jnp.where(
+          _metadata.row_slots(q_index, rows_q)[1][:, None], sinks[None, :], -jnp.inf)
       lse = jnp.where(valid, lse, empty)
     lse = lse.T
   return out, lse
