@@ -1,7 +1,8 @@
 """Benchmark of cudnn_jax.kda (or gdn) against FLA's chunk_kda (chunk_gated_delta_rule).
 
     python bench/kda.py [--out DIR] [--quick] [--profile | --intra | --scan]
-                        [--engine triton,xla] [--shapes 8x4096] [--op kda|gdn]
+                        [--engine cudnn,triton,xla] [--shapes 8x4096] [--op kda|gdn]
+                        [--gates slow,fla]
 
 On a GPU: B=8 T=4096 and B=2 T=16384, H=16, K=V=128, bfloat16 q/k/v/beta, float32 g,
 l2-normalized q/k in the kernel; forward and forward+backward (gradients of q, k, v, g,
@@ -15,7 +16,11 @@ chunk_gated_delta_rule, in the table.
 
 With --quick: tiny shapes on the default backend, cudnn_jax only (a smoke test).
 --engine picks the cudnn_jax engines, comma-separated (default xla; "triton": the Pallas
-kernels of cudnn_jax/triton/), each a row beside the same FLA timing; --forward-only
+kernels of cudnn_jax/triton/; "cudnn": NVIDIA's sm_90 kernels from the cuDNN frontend),
+each a row beside the same FLA timing; --gates the decay regimes, each a set of rows:
+"slow" (g = log_sigmoid(n) / 8, decays mostly in (0.9, 1)) and "fla" (log_sigmoid(n), as
+FLA's tests draw them); the cudnn engine's segmented forward costs more the slower the
+decay; --forward-only
 leaves out forward+backward; --shapes takes a subset of the B x T pairs (comma-separated,
 e.g. 8x4096). With --profile: instead of the table, device time by engine stage (the
 ``jax.named_scope`` names of cudnn_jax/reference/kda.py and cudnn_jax/triton/kda.py) and
@@ -63,16 +68,19 @@ class Shape:
   v: int
 
 
-def inputs(shape, seed=0):
-  """q, k, v, beta bfloat16; g float32 log decays (per channel, or per head for gdn); do
-  (output cotangent) bfloat16."""
+GATES = {"slow": 1 / 8, "fla": 1.0}  # --gates: g = log_sigmoid(n) * scale
+
+
+def inputs(shape, seed=0, gates="slow"):
+  """q, k, v, beta bfloat16; g float32 log decays (per channel, or per head for gdn) of
+  regime ``gates``; do (output cotangent) bfloat16."""
   keys = jax.random.split(jax.random.key(seed), 6)
   b, t, h = shape.b, shape.t, shape.h
   normal = lambda key, *dims: jax.random.normal(key, (b, t, h) + dims, jnp.float32)
   q, k = normal(keys[0], shape.k), normal(keys[1], shape.k)
   v, do = normal(keys[2], shape.v), normal(keys[5], shape.v)
   gate_dims = () if OP == "gdn" else (shape.k,)
-  g = jax.nn.log_sigmoid(normal(keys[3], *gate_dims)) / 8  # decays mostly in (0.9, 1)
+  g = jax.nn.log_sigmoid(normal(keys[3], *gate_dims)) * GATES[gates]
   beta = jax.nn.sigmoid(normal(keys[4]))
   bf16 = lambda x: x.astype(jnp.bfloat16)
   return jax.block_until_ready(dict(q=bf16(q), k=bf16(k), v=bf16(v), g=g, beta=bf16(beta),
@@ -244,12 +252,12 @@ def fla(torch, chunk, x, backward):
   return ms, ms_b2b, out
 
 
-def run(shapes, anchor, engines, passes=(False, True)):
-  """One row per shape, pass and engine; FLA (when ``anchor`` has it) once per shape and
-  pass, beside every engine."""
+def run(shapes, anchor, engines, passes=(False, True), regimes=("slow",)):
+  """One row per shape, gate regime, pass and engine; FLA (when ``anchor`` has it) once
+  per shape, regime and pass, beside every engine."""
   rows = []
-  for shape in shapes:
-    x = inputs(shape)
+  for shape, gates in ((s, g) for s in shapes for g in regimes):
+    x = inputs(shape, gates=gates)
     for backward in passes:
       theirs = {}
       if anchor[0] is not None:
@@ -258,7 +266,8 @@ def run(shapes, anchor, engines, passes=(False, True)):
         except Exception as e:  # pylint: disable=broad-except
           theirs["fla_error"] = error_text(e)
       for engine in engines:
-        row = dict(dataclasses.asdict(shape), backward=backward, engine=engine, **theirs)
+        row = dict(dataclasses.asdict(shape), gates=gates, backward=backward, engine=engine,
+                   **theirs)
         try:
           row["ms"], row["ms_b2b"], out = ours(x, backward, engine)
         except Exception as e:  # pylint: disable=broad-except
@@ -274,7 +283,8 @@ def run(shapes, anchor, engines, passes=(False, True)):
   return rows
 
 
-HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'engine':>6} "
+HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'gates':>5} {'pass':>8} "
+          f"{'engine':>6} "
           f"{'cudnn_jax ms':>13} "
           f"{'FLA ms':>9} {'ratio':>6} {'b2b ms':>8} {'FLA b2b':>8} {'ratio':>6} "
           f"{'rel diff':>9}")
@@ -283,7 +293,8 @@ HEADER = (f"{'B':>3} {'T':>6} {'H':>3} {'K':>4} {'V':>4} {'pass':>8} {'engine':>
 def print_row(r):
   f = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"
   pass_ = "fwd+bwd" if r["backward"] else "fwd"
-  line = (f"{r['b']:>3} {r['t']:>6} {r['h']:>3} {r['k']:>4} {r['v']:>4} {pass_:>8} "
+  line = (f"{r['b']:>3} {r['t']:>6} {r['h']:>3} {r['k']:>4} {r['v']:>4} "
+          f"{r.get('gates', 'slow'):>5} {pass_:>8} "
           f"{r['engine']:>6} "
           f"{f('ms', '.3f'):>13} {f('fla_ms', '.3f'):>9} {f('fla_speedup', '.2f'):>6} "
           f"{f('ms_b2b', '.3f'):>8} {f('fla_ms_b2b', '.3f'):>8} "
@@ -302,8 +313,10 @@ def main():
   parser.add_argument("--scan", action="store_true",
                       help="instead of the table, the state scan kernels by tiling")
   parser.add_argument("--engine", default="xla",
-                      help="cudnn_jax engines, comma-separated: triton, xla (the table runs "
-                           "each; the other modes the first)")
+                      help="cudnn_jax engines, comma-separated: cudnn, triton, xla (the "
+                           "table runs each; the other modes the first)")
+  parser.add_argument("--gates", default="slow,fla",
+                      help="gate regimes of the table, comma-separated: slow, fla")
   parser.add_argument("--forward-only", action="store_true", help="leave out fwd+bwd")
   parser.add_argument("--shapes", default="8x4096,2x16384",
                       help="comma-separated BxT pairs (H=16, K=V=128)")
@@ -311,8 +324,11 @@ def main():
                       help="the op of the table (the other modes run kda)")
   args = parser.parse_args()
   engines = args.engine.split(",")
-  if unknown := set(engines) - {"triton", "xla"}:
+  if unknown := set(engines) - {"cudnn", "triton", "xla"}:
     parser.error(f"--engine: unknown {sorted(unknown)}")
+  regimes = args.gates.split(",")
+  if unknown := set(regimes) - set(GATES):
+    parser.error(f"--gates: unknown {sorted(unknown)}")
   global ENGINE, OP  # pylint: disable=global-statement
   ENGINE = engines[0]
   print(f"cudnn_jax engines: {', '.join(engines)}")
@@ -342,7 +358,8 @@ def main():
   print("ratio = cudnn_jax ms / FLA ms (> 1: FLA is faster)")
   print(HEADER)
   start = time.perf_counter()
-  rows = run(shapes, anchor, engines, (False,) if args.forward_only else (False, True))
+  rows = run(shapes, anchor, engines, (False,) if args.forward_only else (False, True),
+             regimes)
   elapsed = time.perf_counter() - start
   path = write_results(args.out, OP + "_" + "_".join(engines), rows, quick=args.quick, seconds=elapsed,
                        warmup=WARMUP, calls=CALLS, fla=anchor[0] is not None or anchor[1],
@@ -355,7 +372,8 @@ def main():
 def plot(rows, path, title):
   """Milliseconds (back to back where measured) per shape and pass: each engine, and FLA's
   chunk function (the anchor, hatched) where it ran."""
-  label = lambda r: f"B{r['b']} T{r['t']} {'fwd+bwd' if r['backward'] else 'fwd'}"
+  label = lambda r: (f"B{r['b']} T{r['t']} {r.get('gates', 'slow')} "
+                     f"{'fwd+bwd' if r['backward'] else 'fwd'}")
   groups = list(dict.fromkeys(label(r) for r in rows))
   series = {}
   for r in rows:

@@ -23,6 +23,9 @@
 #include "aot_kernels_ffi.h"
 #include "aot_kernels.h"
 #endif
+#ifdef CUDNN_JAX_HAVE_KDA_SM90
+#include "kda_cudnn.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -61,6 +64,12 @@ const std::vector<Target>& targets() {
       {"cudnn_jax_cute_grouped_gemm", CudnnJaxCuteGroupedGemm,
        {cudnn_jax::kCuteGroupedGemmEpilogue}},
       {"cudnn_jax_cute_grouped_wgrad", CudnnJaxCuteGroupedWgrad, {}},
+#endif
+#ifdef CUDNN_JAX_HAVE_KDA_SM90
+      {"cudnn_jax_kda_fwd", CudnnJaxKdaFwd,
+       {std::begin(cudnn_jax::kKdaFwdAttributeNames), std::end(cudnn_jax::kKdaFwdAttributeNames)}},
+      {"cudnn_jax_kda_bwd", CudnnJaxKdaBwd,
+       {std::begin(cudnn_jax::kKdaBwdAttributeNames), std::end(cudnn_jax::kKdaBwdAttributeNames)}},
 #endif
   };
   return all;
@@ -123,6 +132,31 @@ nb::list aot_kernels() {
 #endif
   return out;
 }
+
+// NVIDIA's kernels compiled in from the nvidia-cudnn-frontend wheel's sources: kernel name
+// -> "<source path in the wheel> (nvidia-cudnn-frontend <version>)"; empty without them.
+nb::dict frontend_kernels() {
+  nb::dict out;
+#ifdef CUDNN_JAX_HAVE_KDA_SM90
+  const std::string from = " (nvidia-cudnn-frontend " CUDNN_JAX_KDA_FRONTEND_VERSION ")";
+  out["kda_fused"] = CUDNN_JAX_KDA_FWD_PATH + from;
+  for (const char* name : {"k_meta", "k_prep", "k_scan_t", "k_bwd"}) {
+    out[name] = CUDNN_JAX_KDA_BWD_PATH + from;
+  }
+#endif
+  return out;
+}
+
+#ifdef CUDNN_JAX_HAVE_KDA_SM90
+int64_t kda_bwd_workspace(int64_t t, int64_t h, int64_t n) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (t < 0 || h < 0 || n < 0 || t > kMax || h > kMax || n > kMax) {
+    throw nb::value_error("kda_bwd_workspace: t, h and n must lie in [0, 2^31-1]");
+  }
+  return static_cast<int64_t>(cudnn_jax_kda_bwd_workspace(
+      static_cast<int>(t), static_cast<int>(h), static_cast<int>(n)));
+}
+#endif
 
 // ---- config dict parsing -------------------------------------------------------------
 
@@ -390,6 +424,13 @@ NB_MODULE(_ffi, m) {
         "conv3d_check takes); ValueError when cuDNN cannot serve it.");
   m.def("aot_kernels", &aot_kernels,
         "Names of the ahead-of-time compiled CuTe DSL kernel variants linked in.");
+  m.def("frontend_kernels", &frontend_kernels,
+        "NVIDIA's kernels compiled in from the nvidia-cudnn-frontend wheel's sources: name -> "
+        "'<source path in the wheel> (nvidia-cudnn-frontend <version>)'; empty without them.");
+#ifdef CUDNN_JAX_HAVE_KDA_SM90
+  m.def("kda_bwd_workspace", &kda_bwd_workspace, nb::arg("t"), nb::arg("h"), nb::arg("n"),
+        "Bytes of cudnn_jax_kda_bwd's workspace result for t tokens, h heads, n sequences.");
+#endif
   m.def("cache_info", &cache_info,
         "Counters of the process-wide cuDNN plan cache, and each entry's chosen plan.");
   m.def("cudnn_version", [] { return cudnn_jax::cudnn_runtime_version(); },

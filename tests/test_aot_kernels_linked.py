@@ -23,3 +23,15 @@ def test_extension_links_every_variant_the_engines_use():
   linked = set(_extension.aot_kernels())
   assert not used - linked, f"not linked into cudnn_jax._ffi: {sorted(used - linked)}"
   assert linked == used, f"linked but used by no engine: {sorted(linked - used)}"
+
+
+@pytest.mark.skipif(_extension.module() is None,
+                    reason="no built extension: the frontend's KDA kernels are not built here")
+def test_extension_hosts_the_frontends_kda_kernels():
+  """The build compiles NVIDIA's sm_90 KDA kernels from the pinned nvidia-cudnn-frontend
+  wheel (their hashes checked): the "cudnn" engine of kda and gdn needs both targets."""
+  m = _extension.module()
+  assert {"cudnn_jax_kda_fwd", "cudnn_jax_kda_bwd"} <= set(m.registrations())
+  kernels = m.frontend_kernels()
+  assert {"kda_fused", "k_meta", "k_prep", "k_scan_t", "k_bwd"} <= set(kernels), kernels
+  assert all("nvidia-cudnn-frontend 1.32.0" in source for source in kernels.values()), kernels
