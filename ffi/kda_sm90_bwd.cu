@@ -222,6 +222,7 @@ extern "C" cudaError_t cudnn_jax_kda_zero_unserved(const int* cu, const int* ser
   if (count < 0 || count > CUDNN_JAX_KDA_MAX_ROW_SETS) return cudaErrorInvalidValue;
   if (t <= 0 || count == 0) return cudaSuccess;
   RowSets rows{};
+  rows.count = count;
   for (int i = 0; i < count; ++i) {
     rows.data[i] = static_cast<char*>(data[i]);
     rows.row_bytes[i] = row_bytes[i];
