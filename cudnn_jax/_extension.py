@@ -151,6 +151,9 @@ def report() -> str:
     kernels = aot_kernels()
     lines.append(f"ahead-of-time kernels: {len(kernels)}"
                  + (f" ({', '.join(kernels)})" if kernels else ""))
+    hosted = dict(m.frontend_kernels())
+    lines.append("NVIDIA's kernels from the cuDNN frontend: "
+                 + ("; ".join(f"{k} ({v})" for k, v in hosted.items()) or "none"))
   on_gpu = jax.default_backend() == "gpu"
   gpu_off = unavailable_reason()
   if gpu_off:
