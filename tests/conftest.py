@@ -87,7 +87,10 @@ def pytest_runtest_protocol(item, nextitem):
   del nextitem
   if _RECORDS:
     _record(test=item.nodeid, when="started")
-  if not _TIMEOUT:
+  # A test marked time_limit(seconds) (a sweep compiling many programs) may take longer.
+  marked = item.get_closest_marker("time_limit")
+  timeout = max(_TIMEOUT, marked.args[0]) if _TIMEOUT and marked else _TIMEOUT
+  if not timeout:
     yield
     return
   import faulthandler  # pylint: disable=g-import-not-at-top
@@ -95,12 +98,12 @@ def pytest_runtest_protocol(item, nextitem):
 
   def expire(signum, frame):
     del signum, frame
-    raise TimeoutError(f"{item.nodeid} ran past CUDNN_JAX_TEST_TIMEOUT={_TIMEOUT:g} s")
+    raise TimeoutError(f"{item.nodeid} ran past its time limit of {timeout:g} s")
 
   previous = signal.signal(signal.SIGALRM, expire)
-  signal.setitimer(signal.ITIMER_REAL, _TIMEOUT)
+  signal.setitimer(signal.ITIMER_REAL, timeout)
   stacks = open(_RECORDS, "a") if _RECORDS else sys.stderr
-  faulthandler.dump_traceback_later(_TIMEOUT + 60, exit=True, file=stacks)
+  faulthandler.dump_traceback_later(timeout + 60, exit=True, file=stacks)
   try:
     yield
   finally:

@@ -65,6 +65,7 @@ def forward(lhs, rhs, sizes, bias, *, activation, glu, implementation):
                                 implementation=implementation)
 
 
+@pytest.mark.time_limit(600)  # 40 configurations, three programs compiled for each
 @pytest.mark.parametrize("engine", ["cudnn", "cute"])
 def test_grouped_gemm_gpu_engine_sweep(engine, capsys):
   rng = np.random.default_rng(7)

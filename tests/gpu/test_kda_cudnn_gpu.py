@@ -202,6 +202,7 @@ print(jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, 
 """
 
 
+@pytest.mark.time_limit(600)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_is_clean(tool, tmp_path):
   """A small packed forward and backward (an empty and a one-token sequence, tokens past

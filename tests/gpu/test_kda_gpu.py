@@ -46,6 +46,7 @@ def test_forward_matches_recurrence(cfg):
   assert rel_err(final, ref_final) <= REL_TOL[cfg.dtype]
 
 
+@pytest.mark.time_limit(450)  # float64 central differences of long sequences
 @pytest.mark.parametrize("cfg", [c for n, c in CASES if c.dtype == "float32"],
                          ids=[n for n, c in CASES if c.dtype == "float32"])
 def test_gradients_match_finite_differences(cfg):
