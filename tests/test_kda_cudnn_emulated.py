@@ -33,6 +33,8 @@ CONFIGS = {
     "gva": dataclasses.replace(_BASE, h=1, hv=2, l2norm=True, initial_state=True),
     "gdn, lower-bound gate": dataclasses.replace(_BASE, op="gdn", gate="lower_bound",
                                                  dt_bias=True, l2norm=True),
+    "one sequence (the backward's whole-sequence path)": dataclasses.replace(
+        _BASE, b=1, t=70, l2norm=True, initial_state=True),
     "cu_seqlens: empty and one-token sequences": dataclasses.replace(
         _BASE, cu_seqlens=(0, 0, 1, 20, 20, 33), initial_state=True, l2norm=True),
 }
@@ -50,6 +52,7 @@ def test_values_match_float64(emulated, name):
 
 
 @pytest.mark.parametrize("name", ["plain", "softplus gate, dt_bias, initial state", "gva",
+                                  "one sequence (the backward's whole-sequence path)",
                                   "allow_neg_eigval, scale 0.3", "gdn, lower-bound gate",
                                   "cu_seqlens: empty and one-token sequences"])
 def test_gradients_match_float64(emulated, name):
