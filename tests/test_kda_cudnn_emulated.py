@@ -104,7 +104,9 @@ def test_sanitised_sequences_keep_every_served_range():
 ])
 def test_segmented_forward_only_inside_the_truncation_bound(l2norm, beta_sigmoid, neg_eig,
                                                              scale, beta, want):
-  opts = cudnn_kda.Options(False, cudnn_kda.KERNEL_SCALE if scale is None else scale, l2norm,
-                           False, None, beta_sigmoid, neg_eig, False)
+  opts = cudnn_kda.Options(
+      scale=cudnn_kda.KERNEL_SCALE if scale is None else scale, qk_l2norm=l2norm,
+      gate_in_kernel=False, lower_bound=None, beta_sigmoid=beta_sigmoid,
+      allow_neg_eigval=neg_eig, varlen=False)
   beta = jnp.full((1, 8, 2), beta, jnp.float32).at[0, 3, 1].set(0.5)
   assert bool(jax.jit(lambda b: jnp.asarray(cudnn_kda.segmented_forward(opts, b)))(beta)) == want

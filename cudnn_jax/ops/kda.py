@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cudnn_jax import _checks, _extension, _metadata, engines
+from cudnn_jax import _checks, _metadata, engines
 from cudnn_jax.ops import kda_sequence_parallel
 from cudnn_jax.primitives import core
 from cudnn_jax.primitives import kda as cudnn_kda
@@ -374,14 +374,10 @@ def _run_triton(call: KdaCall, x: KdaInputs):
 
 def _cudnn_options(call: KdaCall) -> cudnn_kda.Options:
   return cudnn_kda.Options(
-      scalar_gate=call.op == "gdn", scale=call.scale, qk_l2norm=call.qk_l2norm,
+      scale=call.scale, qk_l2norm=call.qk_l2norm,
       gate_in_kernel=call.gate_in_kernel, lower_bound=call.lower_bound,
       beta_sigmoid=call.beta_sigmoid, allow_neg_eigval=call.allow_neg_eigval,
       varlen=call.varlen)
-
-
-def _supports_cudnn(call: KdaCall) -> str | None:
-  return cudnn_kda.supports(call, lambda: _extension.sm90_reason("cudnn_jax_kda_fwd"))
 
 
 def _run_cudnn(call: KdaCall, x: KdaInputs):
@@ -390,7 +386,7 @@ def _run_cudnn(call: KdaCall, x: KdaInputs):
 
 for _op in ("kda", "gdn"):
   engines.register_op(_op, lambda *a, _op=_op, **kw: _prepare(*a, op=_op, **kw)[0])
-  engines.register_engine(_op, "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+  engines.register_engine(_op, "cudnn", supports=cudnn_kda.supports, run=_run_cudnn,
                           opt_in=True, describe=lambda c: cudnn_kda.rule(_cudnn_options(c)))
   engines.register_engine(_op, "triton", supports=_supports_triton, run=_run_triton)
   engines.register_engine(_op, "xla", supports=lambda call: None, run=_run_xla)

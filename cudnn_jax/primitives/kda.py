@@ -176,9 +176,8 @@ def _backward_ffi(config, *arrays):
 
 forward = core.define(
     "cudnn_jax_kda_fwd", impl=_forward_emulated, cuda=_forward_ffi, shardable=("s",),
-    rule=lambda config, *shapes: (
-        "s t h k, s t h k, s t v e, s t v k, s t v, s c, s n, s n v e k, r v, r v k"
-        " -> s t v e, s n v e k"))
+    rule=("s t h k, s t h k, s t v e, s t v k, s t v, s c, s n, s n v e k, r v, r v k"
+          " -> s t v e, s n v e k"))
 backward = core.define(
     "cudnn_jax_kda_bwd", impl=_backward_emulated, cuda=_backward_ffi, shardable=("s",),
     broadcast_leads=False,
@@ -192,7 +191,6 @@ backward = core.define(
 
 class Options(NamedTuple):
   """What is static about one call of the engine."""
-  scalar_gate: bool  # gdn: g [.., HV, 1]
   scale: float
   qk_l2norm: bool
   gate_in_kernel: bool
@@ -227,56 +225,57 @@ def rule(options: Options) -> str:
             if options.beta_checked else
             "one piece per sequence (the truncation bound needs q/k l2-normalised in the "
             "kernel, beta in [0, 1] and scale <= 1/sqrt(128))")
-  fused = [n for n, on in (("l2norm", options.qk_l2norm),
-                           ("lower-bound gate", options.gate_in_kernel
-                            and options.lower_bound is not None),
-                           ("beta sigmoid", options.beta_sigmoid
-                            and not options.allow_neg_eigval)) if on]
+  fused = [n for n, on in zip(("l2norm", "lower-bound gate", "beta sigmoid"),
+                              (options.qk_l2norm, *_fusions(options))) if on]
   return (f"NVIDIA's sm_90 kernels from nvidia-cudnn-frontend: kda_fused forward"
           f"{' with ' + ', '.join(fused) + ' fused' if fused else ''}, {pieces}; backward "
           "k_meta/k_prep/k_scan_t/k_bwd, its inputs' preprocessing and GVA in XLA")
 
 
+def _gate_and_beta(o: Options, g, beta, a_log, dt_bias, *, fused):
+  """``(g, beta)`` float32 as the kernels take them, g the log decay per channel (gdn: the
+  head's gate on every channel); with ``fused``, the lower-bound gate and beta's sigmoid
+  are left to the forward kernel where it has them (``_fusions``)."""
+  safe_gate, sigmoid = _fusions(o) if fused else (False, False)
+  g = g.astype(jnp.float32)
+  if o.gate_in_kernel and not safe_gate:
+    g = ref.gate(g, a_log, dt_bias, o.lower_bound)
+  g = jnp.broadcast_to(g, g.shape[:-1] + (HEAD_DIM,))
+  beta = beta.astype(jnp.float32)
+  if o.beta_sigmoid and not sigmoid:
+    beta = (2.0 if o.allow_neg_eigval else 1.0) * jax.nn.sigmoid(beta)
+  return g, beta
+
+
+def _fusions(o: Options):
+  """Whether the forward kernel applies the lower-bound gate, and beta's sigmoid (not
+  doubled for allow_neg_eigval)."""
+  return (o.gate_in_kernel and o.lower_bound is not None,
+          o.beta_sigmoid and not o.allow_neg_eigval)
+
+
 def _kernel_inputs(o: Options, g, beta, a_log, dt_bias, hv):
   """``(flags, g, beta, a_log, dt_bias)`` as the forward kernel takes them: the fusions it
-  has, the others applied here."""
-  flags = L2NORM * o.qk_l2norm
-  g = g.astype(jnp.float32)
-  if o.gate_in_kernel and o.lower_bound is None:  # -exp(a_log) softplus(g + dt_bias)
-    g = ref.gate(g, a_log, dt_bias, None)
-  g = jnp.broadcast_to(g, g.shape[:-1] + (HEAD_DIM,))  # gdn: the head's gate per channel
-  if o.gate_in_kernel and o.lower_bound is not None:
-    flags |= SAFE_GATE
-    a_log = jnp.zeros((hv,), jnp.float32) if a_log is None else a_log
-    dt_bias = (jnp.zeros((hv, HEAD_DIM), jnp.float32) if dt_bias is None
-               else jnp.broadcast_to(dt_bias, (hv, HEAD_DIM)))
-  else:
-    a_log, dt_bias = jnp.zeros((hv,), jnp.float32), jnp.zeros((hv, HEAD_DIM), jnp.float32)
-  beta = beta.astype(jnp.float32)
-  if o.beta_sigmoid and o.allow_neg_eigval:
-    beta = 2 * jax.nn.sigmoid(beta)
-  elif o.beta_sigmoid:
-    flags |= BETA_SIGMOID
+  has, the others applied here (a_log and dt_bias are read only by its gate)."""
+  safe_gate, sigmoid = _fusions(o)
+  flags = L2NORM * o.qk_l2norm | SAFE_GATE * safe_gate | BETA_SIGMOID * sigmoid
+  g, beta = _gate_and_beta(o, g, beta, a_log, dt_bias, fused=True)
+  a_log = jnp.zeros((hv,), jnp.float32) if a_log is None or not safe_gate else a_log
+  dt_bias = (jnp.zeros((hv, HEAD_DIM), jnp.float32) if dt_bias is None or not safe_gate
+             else jnp.broadcast_to(dt_bias, (hv, HEAD_DIM)))
   return flags, g, beta, a_log, dt_bias
 
 
 def _preprocessed(o: Options, hv, q, k, g, beta, a_log, dt_bias):
   """The backward kernel's inputs from the op's: q and k normalised (q scaled so that the
-  kernel's 1/sqrt(128) gives ``scale``) and repeated over grouped value heads, g the log
-  decay per channel, beta in use; differentiable."""
+  kernel's 1/sqrt(128) gives ``scale``) and repeated over grouped value heads, g and beta
+  as ``_gate_and_beta`` with nothing fused; differentiable."""
   if o.qk_l2norm:
     q, k = ref.l2norm(q.astype(jnp.float32)), ref.l2norm(k.astype(jnp.float32))
   q = q * (o.scale / KERNEL_SCALE)
   group = hv // q.shape[-2]
   q, k = (jnp.repeat(x, group, axis=-2).astype(jnp.bfloat16) for x in (q, k))
-  g = g.astype(jnp.float32)
-  if o.gate_in_kernel:
-    g = ref.gate(g, a_log, dt_bias, o.lower_bound)
-  g = jnp.broadcast_to(g, g.shape[:-1] + (HEAD_DIM,))
-  beta = beta.astype(jnp.float32)
-  if o.beta_sigmoid:
-    beta = (2.0 if o.allow_neg_eigval else 1.0) * jax.nn.sigmoid(beta)
-  return q, k, g, beta
+  return (q, k, *_gate_and_beta(o, g, beta, a_log, dt_bias, fused=False))
 
 
 def segmented_forward(o: Options, beta):
@@ -354,12 +353,13 @@ def kda(options: Options, x):
   return out.reshape(x.v.shape).astype(x.q.dtype), final
 
 
-def supports(call, sm90_reason) -> str | None:
+def supports(call) -> str | None:
   """None when the kernels serve the call (``call``: ops/kda.py's KdaCall), else why not."""
+  from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
   if call.dtype != "bfloat16":
     return f"dtype {call.dtype}: the kernels take bfloat16 q, k, v"
   if (call.k, call.v) != (HEAD_DIM, HEAD_DIM):
     return f"K={call.k}, V={call.v}: the kernels take K = V = {HEAD_DIM}"
   if not math.isfinite(call.scale):
     return f"scale={call.scale}: not finite"
-  return sm90_reason()
+  return _extension.sm90_reason("cudnn_jax_kda_fwd")
