@@ -5,7 +5,9 @@
 # BENCH_ARGS_kda="--profile"), SUITE_TIMEOUT (0: skip the portable suite on the GPU),
 # SUITE_ARGS, NAMED_TESTS (test paths or node ids in the tree, default tests/gpu),
 # SWEEP_TESTS (the files whose random sweeps run, default tests/gpu),
-# NAMED_PARALLEL (non-empty: one process per NAMED_TESTS entry, run at once), the *_TIMEOUT
+# NAMED_PARALLEL (non-empty: one process per NAMED_TESTS entry, run at once), PACKAGE_WHEEL
+# (a cudnn_jax wheel built elsewhere: installed with no CUDA compiler on PATH instead of
+# building this tree, so the run tests what `pip install` of that wheel gives), the *_TIMEOUT
 # limits below (NAMED_TIMEOUT=0 or SWEEP_TIMEOUT=0 skips), TEST_TIMEOUT (seconds a named
 # test may take, default 180). Each named-test process appends a JSON line per test to
 # LOG/<name>.jsonl as the test ends (tests/conftest.py), so a process cut short still says
@@ -24,16 +26,24 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$LOG/gpu.txt" 2>&1
 
-# Ahead-of-time kernels compiled on the build box (python kernels/aot.py .aot): this
-# machine has no CuTe DSL, so the build links those objects.
-[ -f "$TREE/.aot/aot_kernels.h" ] && export CUDNN_JAX_KERNELS_DIR=$TREE/.aot
-# Offline, the build cannot fetch its CUDA compiler from the package index: this machine's
-# toolkit builds (CUDNN_JAX_CUDA_ROOT overrides the build requirements' nvcc).
-export CUDNN_JAX_CUDA_ROOT=${CUDNN_JAX_CUDA_ROOT:-/usr/local/cuda}
 start=$(date +%s)
-python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
-  || { tail -60 "$LOG/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ -n "${PACKAGE_WHEEL:-}" ]; then
+  # No compiler in reach: only what the wheel carries can serve.
+  NO_CUDA_PATH=$(echo "$PATH" | tr : '\n' | grep -v -i cuda | paste -sd:)
+  PATH=$NO_CUDA_PATH python3 -m pip install --no-deps --force-reinstall "$PACKAGE_WHEEL" > "$LOG/build.log" 2>&1 \
+    || { tail -60 "$LOG/build.log"; exit 1; }
+  echo "installed $(basename "$PACKAGE_WHEEL"): $(( $(date +%s) - start )) s; nvcc on its PATH: $(PATH=$NO_CUDA_PATH command -v nvcc || echo none)"
+else
+  # Ahead-of-time kernels compiled on the build box (python kernels/aot.py .aot): this
+  # machine has no CuTe DSL, so the build links those objects.
+  [ -f "$TREE/.aot/aot_kernels.h" ] && export CUDNN_JAX_KERNELS_DIR=$TREE/.aot
+  # Offline, the build cannot fetch its CUDA compiler from the package index: this machine's
+  # toolkit builds (CUDNN_JAX_CUDA_ROOT overrides the build requirements' nvcc).
+  export CUDNN_JAX_CUDA_ROOT=${CUDNN_JAX_CUDA_ROOT:-/usr/local/cuda}
+  python3 -m pip install -v --no-build-isolation --no-deps . > "$LOG/build.log" 2>&1 \
+    || { tail -60 "$LOG/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
 
 NAMED=(); for t in ${NAMED_TESTS:-tests/gpu}; do NAMED+=("$TREE/$t"); done
 # From outside the tree, so the installed package (with its extension) is imported.
