@@ -65,6 +65,12 @@ const std::vector<Target>& targets() {
        {cudnn_jax::kCuteGroupedGemmEpilogue}},
       {"cudnn_jax_cute_grouped_wgrad", CudnnJaxCuteGroupedWgrad, {}},
 #endif
+#ifdef CUDNN_JAX_AOT_BSA_SM90  // kernels/aot.py built kernels/bsa_sm90.py
+      {"cudnn_jax_bsa_fwd", CudnnJaxBsaFwd,
+       {std::begin(cudnn_jax::kBsaAttributeNames), std::end(cudnn_jax::kBsaAttributeNames)}},
+      {"cudnn_jax_bsa_bwd", CudnnJaxBsaBwd,
+       {std::begin(cudnn_jax::kBsaAttributeNames), std::end(cudnn_jax::kBsaAttributeNames)}},
+#endif
 #ifdef CUDNN_JAX_HAVE_KDA_SM90
       {"cudnn_jax_kda_fwd", CudnnJaxKdaFwd,
        {std::begin(cudnn_jax::kKdaFwdAttributeNames), std::end(cudnn_jax::kKdaFwdAttributeNames)}},
@@ -155,6 +161,22 @@ int64_t kda_bwd_workspace(int64_t t, int64_t h, int64_t n) {
   }
   return static_cast<int64_t>(cudnn_jax_kda_bwd_workspace(
       static_cast<int>(t), static_cast<int>(h), static_cast<int>(n)));
+}
+#endif
+
+#ifdef CUDNN_JAX_AOT_BSA_SM90
+int64_t bsa_bwd_workspace(int64_t b, int64_t n, int64_t sq, int64_t skv, int64_t c,
+                          int64_t block_size) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  for (int64_t x : {b, n, sq, skv, c}) {
+    if (x < 1 || x > kMax) {
+      throw nb::value_error("bsa_bwd_workspace: b, n, sq, skv and c must lie in [1, 2^31-1]");
+    }
+  }
+  if (block_size != 64 && block_size != 128) {
+    throw nb::value_error("bsa_bwd_workspace: block_size must be 64 or 128");
+  }
+  return cudnn_jax_bsa_bwd_workspace_bytes(b, n, sq, skv, c, block_size);
 }
 #endif
 
@@ -427,6 +449,12 @@ NB_MODULE(_ffi, m) {
   m.def("frontend_kernels", &frontend_kernels,
         "NVIDIA's kernels compiled in from the nvidia-cudnn-frontend wheel's sources: name -> "
         "'<source path in the wheel> (nvidia-cudnn-frontend <version>)'; empty without them.");
+#ifdef CUDNN_JAX_AOT_BSA_SM90
+  m.def("bsa_bwd_workspace", &bsa_bwd_workspace, nb::arg("b"), nb::arg("n"), nb::arg("sq"),
+        nb::arg("skv"), nb::arg("c"), nb::arg("block_size"),
+        "Bytes of cudnn_jax_bsa_bwd's workspace result for these shapes (c: block_index's "
+        "width).");
+#endif
 #ifdef CUDNN_JAX_HAVE_KDA_SM90
   m.def("kda_bwd_workspace", &kda_bwd_workspace, nb::arg("t"), nb::arg("h"), nb::arg("n"),
         "Bytes of cudnn_jax_kda_bwd's workspace result for t tokens, h heads, n sequences.");

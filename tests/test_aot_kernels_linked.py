@@ -1,4 +1,5 @@
-"""The installed extension links every ahead-of-time kernel variant the "cute" engines use.
+"""The installed extension links every ahead-of-time kernel variant the engines use: the
+"cute" grouped GEMM's, and the "cudnn" block-sparse attention's (NVIDIA's kernels).
 
 Runs where the extension was built (``cudnn_jax._ffi`` importable: on Linux x86-64 every
 install builds it, with the CUDA compiler the build requirements bring), so
@@ -12,6 +13,7 @@ import pytest
 
 from cudnn_jax import _extension
 from cudnn_jax.ops import gemm
+from cudnn_jax.primitives import bsa
 
 
 @pytest.mark.skipif(_extension.module() is None,
@@ -20,6 +22,7 @@ def test_extension_links_every_variant_the_engines_use():
   epilogues = _extension.kernel_constants()["grouped_gemm"]["epilogues"]
   used = {variant for dtype in ("bfloat16", "float16") for epilogue in epilogues
           for variant in gemm._cute_variants(dtype, epilogue)}  # pylint: disable=protected-access
+  used |= bsa.kernel_variants()
   linked = set(_extension.aot_kernels())
   assert not used - linked, f"not linked into cudnn_jax._ffi: {sorted(used - linked)}"
   assert linked == used, f"linked but used by no engine: {sorted(linked - used)}"

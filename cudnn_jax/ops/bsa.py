@@ -50,6 +50,7 @@ class BsaCall:
   scale: float
   is_causal: bool
   return_lse: bool
+  kv_sizes: str = "none"  # kv_block_sizes: "none", "shared" by the heads, or "per_head"
 
 
 def _prepare(query, key, value, block_index, block_counts=None, *, block_size=128,
@@ -107,9 +108,11 @@ def _prepare(query, key, value, block_index, block_counts=None, *, block_size=12
     scale = 1.0 / math.sqrt(h)
   elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
     raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+  kv_sizes = ("none" if kv_block_sizes is None
+              else "per_head" if kv_block_sizes.ndim == 3 and k > 1 else "shared")
   call = BsaCall(b=b, sq=sq, skv=skv, n=n, k=k, h=h, hv=hv, kmax=kmax,
                  dtype=jnp.dtype(query.dtype).name, block_size=bs, scale=float(scale),
-                 is_causal=bool(is_causal), return_lse=bool(return_lse))
+                 is_causal=bool(is_causal), return_lse=bool(return_lse), kv_sizes=kv_sizes)
   inputs = BsaInputs(*_checks.arrays(query, key, value, block_index.astype(jnp.int32),
                                      block_counts.astype(jnp.int32), sizes))
   return call, inputs
@@ -225,6 +228,23 @@ _per_shard = core.per_shard(
 
 
 engines.register_op("bsa", lambda *a, **kw: _prepare(*a, **kw)[0])
+def _supports_cudnn(call: BsaCall) -> str | None:
+  from cudnn_jax.primitives import bsa as cudnn_bsa  # pylint: disable=g-import-not-at-top
+  return cudnn_bsa.supports(call)
+
+
+def _run_cudnn(call: BsaCall, x: BsaInputs):
+  from cudnn_jax.primitives import bsa as cudnn_bsa  # pylint: disable=g-import-not-at-top
+  return cudnn_bsa.bsa(call, x)
+
+
+def _describe_cudnn(call: BsaCall) -> str:
+  from cudnn_jax.primitives import bsa as cudnn_bsa  # pylint: disable=g-import-not-at-top
+  return cudnn_bsa.describe(call)
+
+
+engines.register_engine("bsa", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
+                        describe=_describe_cudnn, opt_in=True)
 engines.register_engine("bsa", "triton", supports=_supports_triton, run=_run_triton,
                         opt_in=True)
 engines.register_engine("bsa", "xla", supports=lambda call: None, run=_run_xla)

@@ -79,3 +79,27 @@ def run(cases, capsys, log_path: str | None = None) -> list[dict]:
     with open(log_path, "w") as f:
       json.dump(records, f, indent=1, default=str)
   return records
+
+
+def compute_sanitizer(tool: str, script: str, kernels: str, tmp_path) -> None:
+  """Runs the Python ``script`` under ``compute-sanitizer --tool tool``, checking only the
+  kernels whose names match the regex ``kernels``; fails the test on any error found
+  (skips it where compute-sanitizer is absent)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+  if not os.path.exists(sanitizer):
+    pytest.skip("compute-sanitizer not found")
+  path = tmp_path / "case.py"
+  path.write_text(script)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             XLA_FLAGS="--xla_gpu_autotune_level=0")
+  done = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", "--kernel-name",
+                         f"regex:{kernels}", sys.executable, str(path)],
+                        capture_output=True, text=True, env=env, timeout=600, check=False)
+  text = done.stdout + done.stderr
+  assert done.returncode == 0, text[-3000:]
+  summary = {"memcheck": "ERROR SUMMARY: 0 errors", "racecheck": "RACECHECK SUMMARY: 0 hazards"}
+  assert summary[tool] in text, text[-3000:]

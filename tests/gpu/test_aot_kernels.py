@@ -1,5 +1,5 @@
 """The ahead-of-time compiled CuTe DSL kernels (kernels/aot.py) linked into cudnn_jax._ffi:
-every grouped GEMM variant is there with its handlers, and a handler reports a bad call as
+every grouped GEMM and block-sparse attention variant is there with its handlers, and a handler reports a bad call as
 an error naming the op instead of launching. The kernels' results are tested through their
 engines (test_gemm_gpu.py)."""
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cudnn_jax import _extension
+from cudnn_jax.primitives import bsa
 
 pytestmark = pytest.mark.gpu
 
@@ -22,18 +23,20 @@ def linked():
   return names
 
 
-def test_every_grouped_gemm_variant_is_linked(linked):
+def test_every_variant_is_linked(linked):
   epilogues = _extension.kernel_constants()["grouped_gemm"]["epilogues"]
   dtypes = ("bf16", "f16")
   want = ([f"grouped_gemm_{d}_{e}" for d in dtypes for e in epilogues]
           + [f"grouped_wgrad_{d}" for d in dtypes])
-  assert sorted(linked) == sorted(want)
+  assert sorted(linked) == sorted(want + sorted(bsa.kernel_variants()))
 
 
 def test_handlers_are_registered(linked):
   attributes = _extension.handler_attributes()
   assert attributes["cudnn_jax_cute_grouped_gemm"] == ("epilogue",)
   assert attributes["cudnn_jax_cute_grouped_wgrad"] == ()
+  assert attributes["cudnn_jax_bsa_fwd"] == attributes["cudnn_jax_bsa_bwd"] == (
+      "block_size", "scale", "mask")
 
 
 def test_unknown_epilogue_is_an_error_naming_the_op(linked):

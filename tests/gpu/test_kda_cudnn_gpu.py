@@ -215,21 +215,5 @@ print(jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, 
 def test_compute_sanitizer_is_clean(tool, tmp_path):
   """A small packed forward and backward (an empty and a one-token sequence, tokens past
   the last one) under compute-sanitizer: no error in the kernels."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-  if not os.path.exists(sanitizer):
-    pytest.skip("compute-sanitizer not found")
-  script = tmp_path / "case.py"
-  script.write_text(_SANITIZED)
-  kernels = ["--kernel-name", "regex:kda|k_prep|k_scan|k_bwd|k_meta|zero_unserved"]
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-             XLA_FLAGS="--xla_gpu_autotune_level=0")
-  done = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", *kernels,
-                         sys.executable, str(script)], capture_output=True, text=True,
-                        env=env, timeout=600, check=False)
-  tail = (done.stdout + done.stderr)[-3000:]
-  assert done.returncode == 0, tail
-  summary = {"memcheck": "ERROR SUMMARY: 0 errors", "racecheck": "RACECHECK SUMMARY: 0 hazards"}
-  assert summary[tool] in done.stdout + done.stderr, tail
+  gpu_sweep.compute_sanitizer(tool, _SANITIZED,
+                              "kda|k_prep|k_scan|k_bwd|k_meta|zero_unserved", tmp_path)
