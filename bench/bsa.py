@@ -1,11 +1,13 @@
 """Benchmark of cudnn_jax.bsa (block-sparse attention) against dense attention.
 
     python bench/bsa.py [--out DIR] [--quick] [--lengths S ...] [--block-size 64|128]
+                        [--engines cudnn triton xla]
 
 On a GPU: B=1, 16 heads, head dim 128, bfloat16, block size 128, S=16384 and 65536, random
 block selections at densities 5, 10, 20, 50 and 100% (each query block keeps that fraction
 of the kv blocks), not causal; forward and forward+backward of cudnn_jax.bsa on its
-"triton" engine and on its "xla" engine (where the blocks it gathers fit in memory),
+"cudnn" engine (NVIDIA's sm_90 kernels), its "triton" engine and its "xla" engine (where
+the blocks it gathers fit in memory),
 beside forward and forward+backward of dense cudnn_jax.sdpa and
 jax.nn.dot_product_attention (cuDNN) on the same q, k, v, in the same run. Median wall
 time of single jitted calls. TFLOP/s for bsa are effective: the dense FLOPs of the
@@ -17,7 +19,8 @@ at 317 effective TFLOP/s at 3.7% density on an H200.
 
 With --quick: tiny shapes on the default backend (a smoke test; off the GPU the triton
 engine declines and its rows say why).
-Writes DIR/bsa.json and DIR/bsa.png (DIR defaults to bench/results).
+Writes DIR/bsa_b<block size>.json and .png (DIR defaults to bench/results): each block size
+keeps its own results.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import cudnn_jax
 from harness import arg_parser, error_text, pyplot, save_figure, time_calls, write_results
 
 DENSITIES = (0.05, 0.1, 0.2, 0.5, 1.0)
-ENGINES = ("triton", "xla")
+ENGINES = ("cudnn", "triton", "xla")
 # The xla engine gathers each query block's kv blocks and forms its logits in float32:
 # rows whose gathered blocks and logits (x3 with the backward) pass this are skipped.
 XLA_MAX_BYTES = 32 << 30
@@ -89,7 +92,7 @@ def measure(row, fn, args, backward, do, flops):
     row["error"] = error_text(e)
 
 
-def run(lengths, n, h, bs, on_gpu):
+def run(lengths, n, h, bs, on_gpu, engines):
   rows = []
   for s in lengths:
     q, k, v, do = tensors(1, s, n, h)
@@ -108,7 +111,7 @@ def run(lengths, n, h, bs, on_gpu):
         print_row(row)
       for density in DENSITIES:
         (index, counts), kept = selection(1, n, s // bs, density)
-        for engine in ENGINES:
+        for engine in engines:
           row = dict(s=s, density=kept, backward=backward, engine=f"cudnn_jax.bsa {engine}")
           if engine == "xla" and xla_bytes(s, n, h, kept, bs, backward) > XLA_MAX_BYTES:
             row["skipped"] = "its gathered blocks and logits would not fit"
@@ -151,13 +154,15 @@ def plot(rows, path, title):
       if r["backward"] == backward and r["engine"] == "cudnn_jax.sdpa" and r.get("tflops"):
         ax.axhline(r["tflops"], color=colors[r["s"]], linestyle="--", linewidth=1,
                    label=f"dense cudnn_jax.sdpa S={r['s']}")
+    styles = {"cudnn": ("s", "-"), "triton": ("o", "-."), "xla": ("x", ":")}
     for s in lengths:
-      for engine, marker in (("cudnn_jax.bsa triton", "o"), ("cudnn_jax.bsa xla", "x")):
+      for engine, (marker, line) in styles.items():
+        name = f"cudnn_jax.bsa {engine}"
         pts = [(r["density"], r["tflops"]) for r in rows if r["s"] == s and r["engine"] ==
-               engine and r["backward"] == backward and r.get("tflops")]
+               name and r["backward"] == backward and r.get("tflops")]
         if pts:
-          ax.plot(*zip(*pts), marker=marker, color=colors[s], label=f"{engine} S={s}",
-                  linestyle="-" if marker == "o" else ":")
+          ax.plot(*zip(*pts), marker=marker, color=colors[s], label=f"{name} S={s}",
+                  linestyle=line)
     ax.set_xscale("log")
     ax.set_xticks(DENSITIES, [f"{d:.0%}" for d in DENSITIES])
     ax.minorticks_off()
@@ -175,6 +180,7 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
   parser.add_argument("--block-size", type=int, default=128, choices=(64, 128))
+  parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not args.quick:
@@ -186,14 +192,15 @@ def main():
   nb = lengths[0] // bs
   print(cudnn_jax.explain("bsa", probe, probe, probe,
                           jax.ShapeDtypeStruct((1, n, nb, nb), jnp.int32), block_size=bs,
-                          implementation=ENGINES))
+                          implementation=tuple(args.engines)))
   print(HEADER)
   start = time.perf_counter()
-  rows = run(lengths, n, h, bs, on_gpu)
+  rows = run(lengths, n, h, bs, on_gpu, args.engines)
   elapsed = time.perf_counter() - start
-  json_path = write_results(args.out, "bsa", rows, quick=args.quick, seconds=elapsed,
+  name = f"bsa_b{bs}"
+  json_path = write_results(args.out, name, rows, quick=args.quick, seconds=elapsed,
                             heads=n, head_dim=h, block_size=bs, dtype="bfloat16")
-  png_path = os.path.join(args.out, "bsa.png")
+  png_path = os.path.join(args.out, f"{name}.png")
   plot(rows, png_path, f"bsa, B=1, N={n}, d={h}, block {bs}, bf16, "
        f"{jax.devices()[0].device_kind}")
   print(f"{elapsed:.0f} s; wrote {json_path} and {png_path}")

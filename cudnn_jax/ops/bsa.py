@@ -1,8 +1,10 @@
 """Block-sparse attention: ``cudnn_jax.bsa`` and ``cudnn_jax.bsa_from_mask``.
 
 Query block m (rows ``m*block_size ...``) of head n attends to the key/value blocks listed
-in ``block_index[b, n, m]``. Two engines, both with work and memory that follow the
-selected blocks rather than the full ``Sq x Skv`` square: ``"triton"``
+in ``block_index[b, n, m]``. Three engines, all with work and memory that follow the
+selected blocks rather than the full ``Sq x Skv`` square: ``"cudnn"``
+(cudnn_jax/primitives/bsa.py: NVIDIA's sm_90 kernels from the cuDNN frontend wheel,
+compiled ahead of time; opt-in until validated on a Hopper GPU), ``"triton"``
 (cudnn_jax/triton/bsa.py: flash-attention kernels that walk each query block's list on the
 device; NVIDIA GPUs, opt-in until validated there) and ``"xla"`` (cudnn_jax/reference/bsa.py:
 each query block gathers its kv blocks). Batch rows and heads are independent, so on a
@@ -161,10 +163,13 @@ def bsa(query, key, value, block_index, block_counts=None, *, block_size=128,
   Returns ``out [B,Sq,N,Hv]`` in the input dtype and, with ``return_lse=True``, also
   ``lse [B,N,Sq]`` float32. Differentiable in query, key and value.
 
-  ``implementation``: None (the xla engine), "triton" (flash-attention kernels through
-  Triton on an NVIDIA GPU, opt-in: block_size 64 or 128, H and Hv 64 or 128, bf16, f16 or
-  f32; gradients summed in a fixed order, the same bits on every run), "xla", or a
-  sequence of those, as for every op. Batch- and head-sharded inputs are computed on each
+  ``implementation``: None (the xla engine), "cudnn" (NVIDIA's sm_90 kernels, opt-in:
+  not causal, block_size 64 or 128, H = Hv in 64/96/128, N/K in 1/2/4/8, bf16 or f16; the
+  backward on the kernels for bf16, H = 128, N = K and kv_block_sizes shared by the heads,
+  else from "triton" or "xla"), "triton" (flash-attention kernels through Triton on an
+  NVIDIA GPU, opt-in: block_size 64 or 128, H and Hv 64 or 128, bf16, f16 or f32;
+  gradients summed in a fixed order, the same bits on every run), "xla", or a sequence of
+  those, as for every op. Batch- and head-sharded inputs are computed on each
   device's shard, with no communication.
   """
   call, inputs = _prepare(query, key, value, block_index, block_counts, block_size=block_size,

@@ -136,67 +136,6 @@ def _check(c: Case, seed=0, engine="triton"):
 
 
 # ---------------------------------------------------------------------------------------
-# Named tests.
-
-
-@pytest.mark.parametrize("c", [
-    Case(bs=128, h=128, hv=128, causal=True, density=0.3),
-    Case(bs=64, h=64, hv=128, n=8, k=2, sq=777, skv=1500, partial=True, density=0.2),
-    Case(bs=64, h=128, hv=64, n=4, k=1, causal=True, counts=False, dtype="float16"),
-    Case(bs=128, h=64, hv=64, b=2, sq=300, skv=2000, density=1.0, partial=True),
-    # float32 (true float32 products): the largest tiles in shared memory.
-    Case(bs=64, h=128, hv=128, causal=True, partial=True, dtype="float32"),
-    Case(bs=64, h=128, hv=128, n=4, k=1, density=0.5, dtype="float32"),
-], ids=["bs128_causal", "bs64_gqa4_partial", "bs64_mqa_no_counts_f16", "bs128_dense_b2",
-        "bs64_f32", "bs64_f32_mqa"])
-def test_matches_xla_engine(c):
-  _check(c, seed=1)
-
-
-def test_float32_at_block_size_128_declines():
-  """Its 128 x 128 float32 tiles do not fit in shared memory: the engine says so rather
-  than failing to compile, and the default dispatch falls back to the xla engine."""
-  c = Case(bs=128, h=128, hv=128, dtype="float32")
-  arrays, (index, counts, _), _ = make_inputs(c, 1)
-  text = cudnn_jax.explain("bsa", *arrays, index, counts, block_size=c.bs,
-                           implementation="triton")
-  assert "shared memory" in text
-
-
-def test_empty_selection_outputs_zero():
-  c = Case(density=0.0, causal=True)
-  arrays, meta, cts = make_inputs(c, 2)
-  out, lse, dq, dk, dv = run(c, arrays, meta, cts, "triton")
-  assert np.all(out == 0) and np.all(lse == -np.inf)
-  assert np.all(dq == 0) and np.all(dk == 0) and np.all(dv == 0)
-
-
-def test_backward_is_deterministic():
-  """dk and dv sum over many query blocks and a GQA group of 4 heads: two runs give the
-  same bits."""
-  c = Case(sq=4096, skv=4096, n=8, k=2, bs=64, density=0.5, causal=True)
-  arrays, meta, cts = make_inputs(c, 3)
-  first = run(c, arrays, meta, cts, "triton")
-  second = run(c, arrays, meta, cts, "triton")
-  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
-    assert np.array_equal(a, b), name
-
-
-def test_long_sequence():
-  _check(Case(sq=16384, skv=16384, n=2, k=1, bs=128, density=0.05, causal=True), seed=4)
-
-
-def test_engine_is_opt_in():
-  """Opt-in: without implementation= the xla engine serves."""
-  c = Case()
-  arrays, (index, counts, _), _ = make_inputs(c, 5)
-  text = cudnn_jax.explain("bsa", *arrays, index, counts, block_size=c.bs)
-  assert "'xla' serves" in text and "triton: declines: opt-in" in text
-  assert "'triton' serves" in cudnn_jax.explain("bsa", *arrays, index, counts,
-                                                block_size=c.bs, implementation="triton")
-
-
-# ---------------------------------------------------------------------------------------
 # The cudnn engine: NVIDIA's kernels.
 
 CUDNN_CASES = {
@@ -269,6 +208,67 @@ def test_cudnn_compute_sanitizer_memcheck_is_clean(bs, tmp_path):
   """A small forward and backward on the kernels (tails, partial blocks, skipped entries)
   under compute-sanitizer's memcheck."""
   gpu_sweep.compute_sanitizer("memcheck", _SANITIZED.format(bs=bs), ".*", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# The triton engine: our Pallas kernels.
+
+
+@pytest.mark.parametrize("c", [
+    Case(bs=128, h=128, hv=128, causal=True, density=0.3),
+    Case(bs=64, h=64, hv=128, n=8, k=2, sq=777, skv=1500, partial=True, density=0.2),
+    Case(bs=64, h=128, hv=64, n=4, k=1, causal=True, counts=False, dtype="float16"),
+    Case(bs=128, h=64, hv=64, b=2, sq=300, skv=2000, density=1.0, partial=True),
+    # float32 (true float32 products): the largest tiles in shared memory.
+    Case(bs=64, h=128, hv=128, causal=True, partial=True, dtype="float32"),
+    Case(bs=64, h=128, hv=128, n=4, k=1, density=0.5, dtype="float32"),
+], ids=["bs128_causal", "bs64_gqa4_partial", "bs64_mqa_no_counts_f16", "bs128_dense_b2",
+        "bs64_f32", "bs64_f32_mqa"])
+def test_matches_xla_engine(c):
+  _check(c, seed=1)
+
+
+def test_float32_at_block_size_128_declines():
+  """Its 128 x 128 float32 tiles do not fit in shared memory: the engine says so rather
+  than failing to compile, and the default dispatch falls back to the xla engine."""
+  c = Case(bs=128, h=128, hv=128, dtype="float32")
+  arrays, (index, counts, _), _ = make_inputs(c, 1)
+  text = cudnn_jax.explain("bsa", *arrays, index, counts, block_size=c.bs,
+                           implementation="triton")
+  assert "shared memory" in text
+
+
+def test_empty_selection_outputs_zero():
+  c = Case(density=0.0, causal=True)
+  arrays, meta, cts = make_inputs(c, 2)
+  out, lse, dq, dk, dv = run(c, arrays, meta, cts, "triton")
+  assert np.all(out == 0) and np.all(lse == -np.inf)
+  assert np.all(dq == 0) and np.all(dk == 0) and np.all(dv == 0)
+
+
+def test_backward_is_deterministic():
+  """dk and dv sum over many query blocks and a GQA group of 4 heads: two runs give the
+  same bits."""
+  c = Case(sq=4096, skv=4096, n=8, k=2, bs=64, density=0.5, causal=True)
+  arrays, meta, cts = make_inputs(c, 3)
+  first = run(c, arrays, meta, cts, "triton")
+  second = run(c, arrays, meta, cts, "triton")
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+    assert np.array_equal(a, b), name
+
+
+def test_long_sequence():
+  _check(Case(sq=16384, skv=16384, n=2, k=1, bs=128, density=0.05, causal=True), seed=4)
+
+
+def test_engine_is_opt_in():
+  """Opt-in: without implementation= the xla engine serves."""
+  c = Case()
+  arrays, (index, counts, _), _ = make_inputs(c, 5)
+  text = cudnn_jax.explain("bsa", *arrays, index, counts, block_size=c.bs)
+  assert "'xla' serves" in text and "triton: declines: opt-in" in text
+  assert "'triton' serves" in cudnn_jax.explain("bsa", *arrays, index, counts,
+                                                block_size=c.bs, implementation="triton")
 
 
 # ---------------------------------------------------------------------------------------
