@@ -69,6 +69,18 @@ def real_scalar(name, value):
     raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
 
 
+def scale_scalar(name, value):
+  """A float32 scalar that may be traced (a dequantization factor): a Python number or a
+  one-element float32 array, as a ``()`` array."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    value = jnp.asarray(value, jnp.float32)
+  shape_of(name, value)
+  if value.size != 1:
+    raise ValueError(f"{name}: expected a float32 scalar, got shape {tuple(value.shape)}")
+  float_dtype(name, value, (jnp.float32,))
+  return jnp.asarray(value).reshape(())
+
+
 def static_int(name, value, *, minimum=None):
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name}: expected a Python int, got {value!r}")

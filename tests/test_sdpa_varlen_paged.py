@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cudnn_jax
@@ -161,6 +162,86 @@ def test_paged_explain_and_bad_inputs():
     cudnn_jax.sdpa_paged(query, kc, vc[:, :2], table, lens)
   with pytest.raises(ValueError, match="key_value_seq_lengths"):
     cudnn_jax.sdpa_paged(query, kc, vc, table, lens[:1])
+
+
+# An FP8 cache: float8_e4m3fn pages with float32 scales, dequantized as they are read.
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def fp8_case(rng, kv_lens, **kwargs):
+  """``paged_case`` with both caches quantized to e4m3 under their scales, and the
+  contiguous keys and values the oracle reads: the dequantized cache (stored * scale)."""
+  query, kc, vc, table, lens, _, _ = paged_case(rng, kv_lens, **kwargs)
+  k_scale, v_scale = np.float32(0.05), np.float32(3.0)
+  kq, vq = (np.asarray(jnp.asarray(c / s, E4M3)) for c, s in ((kc, k_scale), (vc, v_scale)))
+  keys, values = (np.asarray(jnp.asarray(c, jnp.float32)) * s
+                  for c, s in ((kq, k_scale), (vq, v_scale)))
+  # Positions past the lengths (NaN in the cache) are masked: the oracle reads zeros there.
+  gather = lambda c: np.nan_to_num(
+      c[np.clip(table, 0, len(c) - 1)].reshape(len(lens), -1, *c.shape[2:]))
+  return query, kq, vq, table, lens, k_scale, v_scale, gather(keys), gather(values)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(local_window_size=(6, 0), return_lse=True),
+    dict(logits_soft_cap=2.0, sinks=np.array([0.1, -0.5, 1.0, 0.0], np.float32)),
+    dict(query_seq_lengths=np.array([3, 1, 2, 3], np.int32)),
+], ids=["decode", "window_lse", "softcap_sinks", "query_lengths"])
+def test_paged_fp8_cache_matches_the_dequantized_oracle(kwargs):
+  t = 3 if "query_seq_lengths" in kwargs else 1
+  query, kq, vq, table, lens, k_scale, v_scale, keys, values = fp8_case(
+      np.random.default_rng(8), [9, 1, 16, 5], t=t)
+  got = jax.jit(functools.partial(cudnn_jax.sdpa_paged, implementation="xla", **kwargs))(
+      query, kq, vq, table, lens, k_scale=k_scale, v_scale=v_scale)
+  oracle_kwargs = {k: v for k, v in kwargs.items() if k != "return_lse"}
+  want_out, want_lse = oracle(query, keys, values, key_value_seq_lengths=lens, is_causal=True,
+                              causal_alignment="bottom_right", **oracle_kwargs)
+  out = got[0] if kwargs.get("return_lse") else got
+  assert out.dtype == query.dtype
+  assert rel_err(out, want_out) <= F32_TOL
+  if kwargs.get("return_lse"):
+    assert rel_err(got[1], want_lse) <= F32_TOL
+
+
+def test_paged_fp8_cache_scales_as_given():
+  """A scale of 0 zeroes that cache (keys: uniform weights; values: output 0); an inf
+  scale makes the rows that read it NaN, and is an error under checkify."""
+  query, kq, vq, table, lens, k_scale, v_scale, keys, values = fp8_case(
+      np.random.default_rng(9), [9, 0, 16])
+  call = functools.partial(cudnn_jax.sdpa_paged, query, kq, vq, table, lens,
+                           implementation="xla")
+  out = call(k_scale=0.0, v_scale=v_scale)
+  want, _ = oracle(query, keys * 0, values, key_value_seq_lengths=lens, is_causal=True,
+                   causal_alignment="bottom_right")
+  assert rel_err(out, want) <= F32_TOL
+  assert np.all(np.asarray(call(k_scale=k_scale, v_scale=0.0)) == 0)
+  out = np.asarray(call(k_scale=k_scale, v_scale=np.float32(np.inf)))
+  assert np.all(np.isnan(out[[0, 2]])) and np.all(out[1] == 0)  # sequence 1 has no keys
+  err, _ = checkify.checkify(lambda s: call(k_scale=k_scale, v_scale=s),
+                             errors=checkify.user_checks)(jnp.float32(np.inf))
+  with pytest.raises(checkify.JaxRuntimeError, match="v_scale"):
+    err.throw()
+
+
+def test_paged_fp8_cache_bad_inputs():
+  query, kq, vq, table, lens, k_scale, v_scale, _, _ = fp8_case(np.random.default_rng(10),
+                                                                [4, 6])
+  with pytest.raises(ValueError, match="k_scale: required"):
+    cudnn_jax.sdpa_paged(query, kq, vq, table, lens, v_scale=v_scale)
+  with pytest.raises(ValueError, match="v_scale: only for a float8_e4m3fn value_cache"):
+    cudnn_jax.sdpa_paged(query, kq, vq.astype(np.float32), table, lens, k_scale=k_scale,
+                         v_scale=v_scale)
+  with pytest.raises(ValueError, match="k_scale: expected a float32 scalar"):
+    cudnn_jax.sdpa_paged(query, kq, vq, table, lens, k_scale=np.ones(2, np.float32),
+                         v_scale=v_scale)
+  with pytest.raises(TypeError, match="query, value_cache: expected one dtype"):
+    cudnn_jax.sdpa_paged(query, kq, vq.astype(jnp.bfloat16).astype(np.float16), table, lens,
+                         k_scale=k_scale)
+  text = cudnn_jax.explain("sdpa_paged", query, kq, vq, table, lens, k_scale=k_scale,
+                           v_scale=v_scale)
+  assert "'xla' serves" in text
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])

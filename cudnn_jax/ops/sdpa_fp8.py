@@ -77,15 +77,8 @@ def prepare(query, key, value, *, q_scale, k_scale, v_scale, out_scale,
                        "causal_alignment, local_window_size, query_seq_lengths, "
                        "key_value_seq_lengths, logits_soft_cap)")
   query, key, value, unbatched = checked_qkv(query, key, value, (FP8,))
-  scales = []
-  for name, x in zip(_SCALES, (q_scale, k_scale, v_scale, out_scale)):
-    if isinstance(x, (int, float)) and not isinstance(x, bool):  # a Python number
-      x = jnp.asarray(x, jnp.float32)
-    _checks.shape_of(name, x)
-    if x.size != 1:
-      raise ValueError(f"{name}: expected a float32 scalar, got shape {tuple(x.shape)}")
-    _checks.float_dtype(name, x, (jnp.float32,))
-    scales.append(jnp.asarray(x).reshape(()))
+  scales = [_checks.scale_scalar(name, x)
+            for name, x in zip(_SCALES, (q_scale, k_scale, v_scale, out_scale))]
   out_dtype = _checks.dtype_arg("out_dtype", out_dtype, OUT_DTYPES)
   b, t, n, h = query.shape
   _, s, k, hv = value.shape

@@ -8,6 +8,8 @@ Engines:
   invalid ids masked), run as one ``sdpa`` call with the sequences' lengths and
   bottom-right causal alignment. The gather reads every page once more than a kernel
   reading pages in place would.
+A float8_e4m3fn cache is dequantized (``value * scale``, in the query's dtype) as its
+pages are gathered, on either engine.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PagedCall:
   gathered: sdpa_ops.SdpaCall
   pages: int
   page: int
+  fp8: bool = False  # a float8_e4m3fn key or value cache
 
 
 class PagedInputs(NamedTuple):
@@ -42,12 +45,15 @@ class PagedInputs(NamedTuple):
   kv_lengths: jax.Array  # [B] int32, clamped to the capacity
   q_lengths: jax.Array | None = None
   sinks: jax.Array | None = None
+  k_scale: jax.Array | None = None  # () float32, with a float8_e4m3fn key cache
+  v_scale: jax.Array | None = None
 
 
-def gather_pages(cache, page_table, lengths):
+def gather_pages(cache, page_table, lengths, scale=None, dtype=None):
   """``cache [P,page,K,D]``, ``page_table [B,max_pages]`` -> ``[B, max_pages*page, K, D]``,
   rows at or past ``lengths [B]`` and rows of page ids outside ``[0, P)`` zeroed (a cache's
-  unused rows may hold anything; an invalid id reads no page)."""
+  unused rows may hold anything; an invalid id reads no page). With ``scale`` (an FP8
+  cache) the rows are dequantized into ``dtype``: ``row * scale``."""
   pages, page = cache.shape[:2]
   b, max_pages = page_table.shape
   out_sharding = None
@@ -59,8 +65,10 @@ def gather_pages(cache, page_table, lengths):
   index = jnp.where(_metadata.in_range(page_table, pages), page_table, pages)
   rows = jnp.asarray(cache).at[index].get(mode="fill", fill_value=0, out_sharding=out_sharding)
   rows = rows.reshape(b, max_pages * page, *cache.shape[2:])
+  if scale is not None:
+    rows = (rows.astype(jnp.float32) * scale).astype(dtype)
   keep = key_positions(page_table, lengths, pages, page)
-  return jnp.where(keep[:, :, None, None], rows, jnp.zeros((), cache.dtype))
+  return jnp.where(keep[:, :, None, None], rows, jnp.zeros((), rows.dtype))
 
 
 def key_positions(page_table, lengths, pages, page):
@@ -70,14 +78,28 @@ def key_positions(page_table, lengths, pages, page):
   return valid_page & (jnp.arange(valid_page.shape[1])[None, :] < lengths[:, None])
 
 
-def _check_caches(query, key_cache, value_cache):
-  """Shapes and dtypes, named as the user passed them (before the pages are gathered)."""
+def _check_caches(query, key_cache, value_cache, k_scale, v_scale):
+  """Shapes and dtypes, named as the user passed them (before the pages are gathered);
+  the scales of FP8 caches as ``()`` float32 arrays (None for the others)."""
   _checks.shape_of("query", query, 4)
   kc = _checks.shape_of("key_cache", key_cache, 4)
   vc = _checks.shape_of("value_cache", value_cache, 4)
-  for name, x in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-    _checks.float_dtype(name, x)
-  _checks.same_dtype("query, key_cache, value_cache", query, key_cache, value_cache)
+  _checks.float_dtype("query", query)
+  scales, unscaled = [], {"query": query}
+  for name, cache, scale_name, scale in (("key_cache", key_cache, "k_scale", k_scale),
+                                         ("value_cache", value_cache, "v_scale", v_scale)):
+    fp8 = jnp.dtype(cache.dtype) == jnp.float8_e4m3fn
+    if fp8 and scale is None:
+      raise ValueError(f"{scale_name}: required with a float8_e4m3fn {name} (real value = "
+                       "stored value * scale)")
+    if not fp8 and scale is not None:
+      raise ValueError(f"{scale_name}: only for a float8_e4m3fn {name}, got "
+                       f"{jnp.dtype(cache.dtype).name}")
+    if not fp8:
+      _checks.float_dtype(name, cache)
+      unscaled[name] = cache
+    scales.append(_checks.scale_scalar(scale_name, scale) if fp8 else None)
+  _checks.same_dtype(", ".join(unscaled), *unscaled.values())
   if vc[:3] != kc[:3]:
     raise ValueError("value_cache: expected [P,page,K,Hv] with key_cache's P, page, K "
                      f"{kc[:3]}, got {vc}")
@@ -89,14 +111,16 @@ def _check_caches(query, key_cache, value_cache):
                      f"N={n}, got shape {kc}")
   if kc[0] < 1 or kc[1] < 1:
     raise ValueError(f"key_cache: expected P >= 1 pages of page >= 1 rows, got shape {kc}")
+  return scales
 
 
 def _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
              query_seq_lengths=None, scale=None, is_causal=True, local_window_size=None,
-             logits_soft_cap=None, sinks=None, return_lse=False, implementation=None):
+             logits_soft_cap=None, sinks=None, return_lse=False, implementation=None,
+             k_scale=None, v_scale=None):
   """Validates the user's arguments into (PagedCall, PagedInputs)."""
   del implementation
-  _check_caches(query, key_cache, value_cache)
+  k_scale, v_scale = _check_caches(query, key_cache, value_cache, k_scale, v_scale)
   _checks.shape_of("page_table", page_table, 2)
   _checks.int_dtype("page_table", page_table)
   b = query.shape[0]
@@ -111,7 +135,8 @@ def _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths, *
   query, key_cache, value_cache, page_table, key_value_seq_lengths, sinks = _checks.arrays(
       query, key_cache, value_cache, page_table, key_value_seq_lengths, sinks)
   capacity = _capacity(page_table, page)
-  gathered = lambda cache: jax.ShapeDtypeStruct((b, capacity) + cache.shape[2:], cache.dtype)
+  # The call on the gathered (and dequantized) caches, in the query's dtype.
+  gathered = lambda cache: jax.ShapeDtypeStruct((b, capacity) + cache.shape[2:], query.dtype)
   lengths = lambda x: None if x is None else jax.ShapeDtypeStruct((b,), jnp.int32)
   call = engines.prepare_abstract(
       lambda *a, **kw: sdpa_ops.prepare(*a, **kw)[0], query, gathered(key_cache),
@@ -124,17 +149,18 @@ def _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths, *
                else _metadata.clamp_lengths(query_seq_lengths, query.shape[1]))
   inputs = PagedInputs(query, key_cache, value_cache, page_table.astype(jnp.int32),
                        _metadata.clamp_lengths(key_value_seq_lengths, capacity), q_lengths,
-                       sinks)
-  return PagedCall(call, pages, page), inputs
+                       sinks, k_scale, v_scale)
+  fp8 = k_scale is not None or v_scale is not None
+  return PagedCall(call, pages, page, fp8), inputs
 
 
 def _capacity(page_table, page):
   return page_table.shape[1] * page
 
 
-def _check(query, key_cache, page_table, key_value_seq_lengths, query_seq_lengths):
-  """The metadata checks, under ``checkify`` only: lengths within capacity, and the page
-  ids of the pages that hold keys in ``[0, P)``."""
+def _check(query, key_cache, page_table, key_value_seq_lengths, query_seq_lengths, scales):
+  """The metadata checks, under ``checkify`` only: lengths within capacity, the page ids
+  of the pages that hold keys in ``[0, P)``, finite FP8 cache scales."""
   pages, page = key_cache.shape[:2]
   capacity = _capacity(page_table, page)
   _metadata.check_lengths("key_value_seq_lengths", key_value_seq_lengths, capacity)
@@ -143,11 +169,16 @@ def _check(query, key_cache, page_table, key_value_seq_lengths, query_seq_length
   lengths = _metadata.clamp_lengths(key_value_seq_lengths, capacity)
   used = jnp.arange(page_table.shape[1])[None, :] * page < lengths[:, None]
   _metadata.check_indices("page_table", page_table, pages, used)
+  for name, scale in scales:
+    if scale is not None:
+      scale = jnp.reshape(scale, (1,))
+      _metadata.check_entries(name, scale, ~jnp.isfinite(scale), "expected a finite scale")
 
 
 def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
                query_seq_lengths=None, scale=None, is_causal=True, local_window_size=None,
-               logits_soft_cap=None, sinks=None, return_lse=False, implementation=None):
+               logits_soft_cap=None, sinks=None, return_lse=False, implementation=None,
+               k_scale=None, v_scale=None):
   """Attention of new query tokens over a paged KV cache (decode, chunked prefill).
 
   ``query [B,T,N,H]`` (T=1 for decode), ``key_cache [P,page,K,H]``,
@@ -158,6 +189,15 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   bottom-right aligned: query row t of sequence b sees keys ``u <= t + S_b - T_b``.
   Otherwise ``sdpa``'s math; returns ``out [B,T,N,Hv]`` and, with ``return_lse=True``,
   ``lse [B,N,T]`` float32.
+
+  FP8 cache: ``key_cache`` and/or ``value_cache`` may be ``float8_e4m3fn`` with a float32
+  scalar ``k_scale`` / ``v_scale`` (real value = stored value * scale; required with an
+  FP8 cache, rejected with any other). The query stays bf16, f16 or f32 and the output
+  takes its dtype; the result is attention over the dequantized cache (rounded to the
+  query's dtype). The scale is applied as given: 0 makes every key 0 (each row's weights
+  uniform over its keys) or every value 0 (an output of 0), a negative scale negates, and
+  an inf or NaN scale makes every row that reads that cache NaN (rows with no keys still
+  output 0). Under checkify a non-finite scale is an error naming ``k_scale``/``v_scale``.
 
   Invalid metadata (SPEC section 8): lengths are clamped to ``[0, max_pages * page]`` (and
   ``[0, T]``); a page id outside ``[0, P)`` contributes no keys (its positions are masked,
@@ -172,8 +212,10 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   call, inputs = _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths,
                           query_seq_lengths=query_seq_lengths, scale=scale,
                           is_causal=is_causal, local_window_size=local_window_size,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse)
-  _check(query, key_cache, page_table, key_value_seq_lengths, query_seq_lengths)
+                          logits_soft_cap=logits_soft_cap, sinks=sinks, return_lse=return_lse,
+                          k_scale=k_scale, v_scale=v_scale)
+  _check(query, key_cache, page_table, key_value_seq_lengths, query_seq_lengths,
+         (("k_scale", inputs.k_scale), ("v_scale", inputs.v_scale)))
   out, lse = engines.dispatch("sdpa_paged", implementation, call, inputs)
   return (out, lse) if return_lse else out
 
@@ -186,9 +228,11 @@ def _on_sdpa_engine(name):
   """``run`` of the gathered call on ``sdpa``'s engine ``name``."""
   def run(call: PagedCall, x: PagedInputs):
     keep = key_positions(x.page_table, x.kv_lengths, call.pages, call.page)
+    gather = lambda cache, scale: gather_pages(cache, x.page_table, x.kv_lengths, scale,
+                                               x.query.dtype)
     inputs = sdpa_ops.SdpaInputs(
-        x.query, gather_pages(x.key_cache, x.page_table, x.kv_lengths),
-        gather_pages(x.value_cache, x.page_table, x.kv_lengths), mask=keep[:, None, None, :],
+        x.query, gather(x.key_cache, x.k_scale), gather(x.value_cache, x.v_scale),
+        mask=keep[:, None, None, :],
         query_seq_lengths=x.q_lengths, key_value_seq_lengths=x.kv_lengths, sinks=x.sinks)
     return engines.engine("sdpa", name).run(call.gathered, inputs)
   return run
@@ -211,6 +255,9 @@ def _in_place_config(call: PagedCall):
 @functools.lru_cache(maxsize=1024)
 def _paged_reason(call: PagedCall) -> str | None:
   """None when cuDNN serves the call reading pages in place, else why not."""
+  if call.fp8:
+    return ("float8_e4m3fn cache: cuDNN's paged graph reads caches in the query's dtype "
+            "(the pages are gathered and dequantized)")
   native, _ = _in_place_call(call)
   return (sdpa_ops.cudnn_static_reason(native)
           or sdpa_ops.cudnn_check(native, _in_place_config(call), False, call.pages, call.page))
