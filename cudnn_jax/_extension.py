@@ -84,14 +84,15 @@ def unavailable_reason() -> str | None:
   return text
 
 
-def sm90_reason(target: str) -> str | None:
+def sm90_reason(target: str, missing: str = "its kernel sources were not found in the "
+                "build's nvidia-cudnn-frontend wheel, or their hashes differ") -> str | None:
   """None when FFI ``target``'s sm_90a kernels can run here, else why not: the GPU engines
-  off, an extension built without them, or a GPU other than Hopper (compute capability 9.0)."""
+  off, an extension built without them (``missing`` says what causes that), or a GPU other
+  than Hopper (compute capability 9.0)."""
   if why := unavailable_reason():
     return why
   if target not in module().registrations():
-    return (f"the extension was built without {target} (its kernel sources were not found "
-            "in the build's nvidia-cudnn-frontend wheel, or their hashes differ)")
+    return f"the extension was built without {target} ({missing})"
   capability = getattr(jax.devices()[0], "compute_capability", None)
   if capability != "9.0":
     return f"compute capability {capability}: the kernels are built for sm_90a (Hopper) only"

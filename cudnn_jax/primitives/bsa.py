@@ -134,7 +134,9 @@ def forward_kernel(call) -> str:
 def supports(call) -> str | None:
   """None when the forward kernels serve ``call`` (ops/bsa.py's BsaCall), else why not."""
   from cudnn_jax import _extension  # pylint: disable=g-import-not-at-top
-  if why := _extension.sm90_reason("cudnn_jax_bsa_fwd"):
+  if why := _extension.sm90_reason(
+      "cudnn_jax_bsa_fwd", "kernels/aot.py compiles its kernels with nvidia-cutlass-dsl "
+      f"4.8.1 from {FRONTEND}; the build had neither, or other versions"):
     return why
   c = _constants()
   if call.is_causal:
