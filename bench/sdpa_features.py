@@ -11,19 +11,48 @@ forward+backward (the gradients of query, key and value). TFLOP/s count only eac
 sequence's own causal work, 4*N*H*L*(L+1)/2 forward (x3.5 forward+backward), for both.
 Target: the packed call >= 1.5x faster.
 
-paged: decode, B=64, 32 query heads, 8 kv heads, head dim 128, 8192 cached tokens per
-sequence in pages of 64 rows on shuffled physical pages, bfloat16. cudnn_jax.sdpa_paged
-(implementation="cudnn") against jax.nn.dot_product_attention(implementation="cudnn") on
-the same keys and values in a contiguous [B,S,K,H] cache with key_value_seq_lengths.
-GB/s of K+V read (2*B*S*K*H*2 bytes). Target: >= 3.4 TB/s (jax.nn dense about 2.9).
+paged: three row groups, bfloat16, head dim 128, every sequence holding S cached tokens
+(the new query tokens among them) in a [P,page,K,H] cache on shuffled physical pages
+(page table [B, S/page]):
+  (a) B=64, 32 query / 8 kv heads, S=8192, page 64;
+  (b) B=8, 64 query / 8 kv heads, S=32768, page 16;
+  (c) B=256, 32 query / 8 kv heads, S=4096, page 16.
+Per group, side by side in one run (cudnn_jax and jax.nn with implementation="cudnn"):
+  decode, T=1 query row: cudnn_jax.sdpa_paged; cudnn_jax.sdpa_paged on the same caches
+    quantized to float8_e4m3fn (k_scale / v_scale = max|x| / 448); JAX's Pallas kernel
+    jax.experimental.pallas.ops.gpu.paged_attention on a [K,P,page,H] copy of the caches
+    (the query pre-scaled by 1/sqrt(d): the kernel applies no scale; 128 keys per compute
+    block, k_splits the largest divisor <= 16 of the pages per sequence); and the
+    baseline, jax.nn.dot_product_attention on the same keys and values stored
+    contiguously [B,S,K,H] with key_value_seq_lengths.
+  multi-token decode (speculative decoding / MTP), T=4, and chunked prefill, T=128:
+    cudnn_jax.sdpa_paged (bottom-right causal, query_seq_lengths all T) against the
+    baseline cudnn_jax.sdpa on the contiguous keys and values with query_seq_lengths,
+    key_value_seq_lengths, is_causal=True, causal_alignment="bottom_right".
+Every layout, copy and quantization is made once, outside the timing. Rates: GB/s of the
+cache read, 2*B*S*K*H*itemsize bytes (2 for bfloat16; FP8 rows count their 1-byte
+elements, and also give "gbps_bf16eq": the bfloat16 cache's bytes over the same time);
+TFLOP/s as well, 4*B*N*d*(T*(S-T) + T*(T+1)/2) (shown for chunked prefill).
+Targets, per group: decode >= 0.95x jax.nn's GB/s on the contiguous cache and >= 85% of
+the card's datasheet HBM bandwidth (H100 3350 GB/s, H200 4800 GB/s; another card is
+"unknown card", not judged); FP8-cache decode time <= 0.6x the bfloat16 cache's; T=4
+GB/s >= 0.9x the T=1 GB/s (the same cache bytes); chunked prefill >= 0.95x the speed of
+cudnn_jax.sdpa on the contiguous cache.
 
 Two times per row: "ms", the median wall time of --calls single jitted calls, each
 waited for; "b2b", per call of --calls calls issued back to back (device throughput,
-harness.time_back_to_back). Targets are judged on b2b. An engine that declines a call is
-reported with its reason (cudnn_jax.explain's verdict is recorded with every row).
+harness.time_back_to_back). Targets are judged on b2b. Each row but a group's last is
+compared with that last one, the baseline ("speedup", "rel_diff_vs_baseline" of the
+outputs). An engine that fails or declines a call is reported with its reason and the run
+goes on (every cudnn_jax row records cudnn_jax.explain's verdict).
 
-With --quick: small shapes, for a smoke test; on a CPU the xla engines stand in for cuDNN.
-Writes DIR/sdpa_features.json and DIR/sdpa_features.png (DIR defaults to bench/results).
+With --quick: tiny shapes of the same structure, for a smoke test; on a CPU the xla
+engines stand in for cuDNN, float32 for bfloat16, and the Pallas kernel runs with
+interpret=True (off the GPU it is skipped for the full shapes, with the reason recorded).
+Writes DIR/sdpa_features.json and DIR/sdpa_features.png (DIR defaults to bench/results):
+the varlen panel, then the paged ones, grouped bars per row group and engine: GB/s back to
+back at T=1 and T=4 (with 85% of the card's HBM bandwidth where the card is known), and
+TFLOP/s back to back in chunked prefill.
 """
 
 from __future__ import annotations
@@ -32,6 +61,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +73,17 @@ from harness import (arg_parser, error_text, pyplot, rel_diff, save_figure, time
 
 CASES = ("varlen", "paged")
 VARLEN_SPEEDUP_TARGET = 1.5  # packed / padded, forward and forward+backward
-PAGED_GBPS_TARGET = 3400.0
-PAGED_GBPS_JAX_NN = 2900.0  # jax.nn's cudnn engine on a dense cache, for reference
+# The paged targets, per row group, on back-to-back times.
+PAGED_VS_JAX_NN_TARGET = 0.95  # decode GB/s / jax.nn's on the contiguous cache, at least
+PAGED_HBM_TARGET = 0.85  # decode GB/s / the card's datasheet HBM GB/s, at least
+PAGED_FP8_TIME_TARGET = 0.6  # FP8-cache decode time / the bf16 cache's, at most
+PAGED_MTP_RATE_TARGET = 0.9  # T=MTP_T GB/s / T=DECODE_T GB/s, at least
+PAGED_PREFILL_TARGET = 0.95  # chunked prefill speed / cudnn_jax.sdpa's contiguous, at least
+HBM_GBPS = (("H200", 4800.0), ("H100", 3350.0))  # datasheet, by device_kind substring
+DECODE_T, MTP_T, PREFILL_T = 1, 4, 128  # query rows per sequence
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+PALLAS_BLOCK_KEYS = 128  # keys per compute block of the Pallas kernel
+PALLAS_MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +109,41 @@ class VarlenShape:
 
 @dataclasses.dataclass(frozen=True)
 class PagedShape:
+  name: str  # the row group: a, b or c
   b: int
   n: int
   k: int
   h: int
-  s: int  # cached tokens per sequence
+  s: int  # cached tokens per sequence, the new query tokens among them
   page: int
+
+  @property
+  def pages_per_seq(self):
+    return self.s // self.page
+
+  @property
+  def title(self):
+    return f"({self.name}) B={self.b}, {self.n}/{self.k} heads, S={self.s}, page {self.page}"
 
   def kv_bytes(self, dtype):
     return 2 * self.b * self.s * self.k * self.h * jnp.dtype(dtype).itemsize
 
+  def flops(self, t):
+    """Bottom-right causal: query row i of ``t`` sees ``s - t + i + 1`` keys."""
+    return 4.0 * self.b * self.n * self.h * (t * (self.s - t) + t * (t + 1) / 2)
+
 
 def shapes(quick):
+  """The varlen shape and the paged row groups."""
   if quick:
-    return VarlenShape(tokens=1024, seqs=8, n=2, h=64), PagedShape(b=4, n=4, k=2, h=64,
-                                                                   s=512, page=16)
-  return VarlenShape(tokens=16384, seqs=16, n=16, h=128), PagedShape(b=64, n=32, k=8, h=128,
-                                                                     s=8192, page=64)
+    return (VarlenShape(tokens=1024, seqs=8, n=2, h=64),
+            (PagedShape("a", b=2, n=4, k=2, h=64, s=512, page=64),
+             PagedShape("b", b=1, n=8, k=2, h=64, s=1024, page=16),
+             PagedShape("c", b=4, n=4, k=2, h=64, s=256, page=16)))
+  return (VarlenShape(tokens=16384, seqs=16, n=16, h=128),
+          (PagedShape("a", b=64, n=32, k=8, h=128, s=8192, page=64),
+           PagedShape("b", b=8, n=64, k=8, h=128, s=32768, page=16),
+           PagedShape("c", b=256, n=32, k=8, h=128, s=4096, page=16)))
 
 
 def step_fn(attn, backward):
@@ -104,6 +161,18 @@ def step_fn(attn, backward):
 def verdict(text):
   """The line of cudnn_jax.explain that says which engine serves, or why none does."""
   return text.splitlines()[0] if text else ""
+
+
+def explained(fn_name, *args, **kwargs):
+  """verdict() of cudnn_jax.explain, with the chosen engine's own account where it gives
+  one (pages read in place or gathered, say); the error where explain raises."""
+  try:
+    text = cudnn_jax.explain(fn_name, *args, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"explain: {error_text(e)}"
+  how = next((line.split(": chosen ", 1)[1] for line in text.splitlines()[1:]
+              if ": chosen (" in line), "")
+  return verdict(text) + (f" {how}" if how else "")
 
 
 def measure(row, fn, args, calls):
@@ -127,13 +196,15 @@ def add_rates(row, amount, unit, scale):
 
 
 def compare_rows(rows, outs, to_common=lambda x: x):
-  """Speed-up of rows[0] (ours) over rows[1] (the baseline) and their outputs' distance."""
-  ours, base = rows
-  for key in ("ms", "ms_b2b"):
-    if ours.get(key) and base.get(key):
-      ours[key.replace("ms", "speedup")] = base[key] / ours[key]
-  if outs[0] is not None and outs[1] is not None:
-    ours["rel_diff_vs_baseline"] = rel_diff(outs[0], to_common(outs[1]))
+  """Speed-up of each row but the last (ours) over the last (the baseline) and their
+  outputs' distance."""
+  *ours, base = rows
+  for row, out in zip(ours, outs):
+    for key in ("ms", "ms_b2b"):
+      if row.get(key) and base.get(key):
+        row[key.replace("ms", "speedup")] = base[key] / row[key]
+    if out is not None and outs[-1] is not None:
+      row["rel_diff_vs_baseline"] = rel_diff(out, to_common(outs[-1]))
 
 
 def run_varlen(shape, engine, dtype, calls):
@@ -184,63 +255,251 @@ def run_varlen(shape, engine, dtype, calls):
   return rows, dict(lengths=lengths.tolist())
 
 
-def run_paged(shape, engine, dtype, calls):
-  pages_per_seq = shape.s // shape.page
-  pages = shape.b * pages_per_seq
+def paged_caches(shape, dtype):
+  """Seeded keys and values of ``shape``: contiguous ``[B,S,K,H]`` and paged
+  ``[P,page,K,H]`` on shuffled physical pages, the page table and the lengths (all S)."""
+  pages = shape.b * shape.pages_per_seq
   perm = np.random.default_rng(1).permutation(pages)
-  table = jnp.asarray(perm.reshape(shape.b, pages_per_seq), jnp.int32)
-  keys = jax.random.split(jax.random.key(1), 3)
-  query = jax.random.normal(keys[0], (shape.b, 1, shape.n, shape.h), dtype)
+  table = jnp.asarray(perm.reshape(shape.b, shape.pages_per_seq), jnp.int32)
   dense = [jax.random.normal(key, (shape.b, shape.s, shape.k, shape.h), dtype)
-           for key in keys[1:]]
+           for key in jax.random.split(jax.random.key(1), 2)]
   # Logical page j of sequence b lives in physical page perm[b * pages_per_seq + j].
   inverse = jnp.asarray(np.argsort(perm))
-  caches = jax.block_until_ready(
-      [x.reshape(pages, shape.page, shape.k, shape.h)[inverse] for x in dense])
+  caches = [x.reshape(pages, shape.page, shape.k, shape.h)[inverse] for x in dense]
   lens = jnp.full((shape.b,), shape.s, jnp.int32)
-  print(f"paged: B={shape.b}, {shape.n}/{shape.k} heads, d={shape.h}, {shape.s} cached "
-        f"tokens, page {shape.page}, {pages} pages shuffled")
+  return jax.block_until_ready((dense, caches, table, lens))
 
-  def ours(q, key_cache, value_cache, table, lens):
-    return cudnn_jax.sdpa_paged(q, key_cache, value_cache, table, lens, implementation=engine)
 
-  def base(q, k, v, lens):
+@jax.jit
+def quantize(cache):
+  """``cache`` as float8_e4m3fn and its float32 scale, max|cache| / 448 (real value =
+  stored value * scale)."""
+  x = cache.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x)) / FP8_MAX
+  return (x / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def query_lengths(q):
+  """All T query rows valid (``[B]``), or None for decode."""
+  return None if q.shape[1] == 1 else jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+
+
+def paged_kwargs(q, engine, scales=()):
+  """cudnn_jax.sdpa_paged's keywords (its default causal: bottom-right)."""
+  k_scale, v_scale = scales or (None, None)
+  return dict(query_seq_lengths=query_lengths(q), k_scale=k_scale, v_scale=v_scale,
+              implementation=engine)
+
+
+def contiguous_kwargs(q, lens, engine):
+  """cudnn_jax.sdpa's keywords for the paged call's math on the contiguous cache."""
+  return dict(is_causal=True, causal_alignment="bottom_right",
+              query_seq_lengths=query_lengths(q), key_value_seq_lengths=lens,
+              implementation=engine)
+
+
+# An entry of a row group: (impl, engine, attn or None, args, note, cache dtype), attn
+# called as attn(*args); an attn of None is skipped, its note saying why.
+
+def paged_entry(engine, q, caches, table, lens, cache_dtype, scales=()):
+  """cudnn_jax.sdpa_paged on ``caches`` (FP8 with ``scales``)."""
+  def attn(q, key_cache, value_cache, table, lens, *scales):
+    return cudnn_jax.sdpa_paged(q, key_cache, value_cache, table, lens,
+                                **paged_kwargs(q, engine, scales))
+  note = explained("sdpa_paged", q, *caches, table, lens, **paged_kwargs(q, engine, scales))
+  return ("paged_fp8" if scales else "paged",
+          f"cudnn_jax.sdpa_paged {engine}" + (" fp8 cache" if scales else ""), attn,
+          (q, *caches, table, lens, *scales), note, cache_dtype)
+
+
+def jax_nn_entry(engine, q, dense, lens, dtype):
+  """jax.nn.dot_product_attention on the contiguous cache (decode)."""
+  def attn(q, k, v, lens):
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens,
                                         implementation=engine)
+  return ("jax_nn", f"jax.nn {engine} (contiguous)", attn, (q, *dense, lens),
+          "contiguous [B,S,K,H] cache", dtype)
 
-  served = verdict(cudnn_jax.explain("sdpa_paged", query, *caches, table, lens,
-                                     implementation=engine))
+
+def contiguous_entry(engine, q, dense, lens, dtype):
+  """cudnn_jax.sdpa on the contiguous cache, bottom-right causal (T > 1)."""
+  def attn(q, k, v, lens):
+    return cudnn_jax.sdpa(q, k, v, **contiguous_kwargs(q, lens, engine))
+  note = explained("sdpa", q, *dense, **contiguous_kwargs(q, lens, engine))
+  return ("sdpa", f"cudnn_jax.sdpa {engine} (contiguous)", attn, (q, *dense, lens),
+          f"contiguous [B,S,K,H] cache; {note}", dtype)
+
+
+def pallas_settings(shape):
+  """(pages_per_compute_block, k_splits): PALLAS_BLOCK_KEYS keys a block, the most splits
+  up to PALLAS_MAX_SPLITS that divide the pages per sequence into whole blocks."""
+  pages = shape.pages_per_seq
+  block = max(1, min(PALLAS_BLOCK_KEYS // shape.page, pages))
+  whole = lambda d: pages % d == 0 and (pages // d) % min(block, pages // d) == 0
+  return block, max((d for d in range(1, PALLAS_MAX_SPLITS + 1) if whole(d)), default=1)
+
+
+def pallas_entry(shape, q, caches, table, lens, dtype, interpret, skip):
+  """JAX's Pallas paged-attention kernel (decode) on a ``[K,P,page,H]`` copy of the caches;
+  the query pre-scaled by 1/sqrt(H), as the kernel applies no scale."""
+  name = "jax.pallas paged_attention" + (" interpret" if interpret else "")
+  if skip:
+    return ("pallas", name, None, (), skip, dtype)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)  # the module says it's deprecated
+      # pylint: disable-next=g-import-not-at-top
+      from jax.experimental.pallas.ops.gpu import paged_attention
+  except Exception as e:  # pylint: disable=broad-except
+    return ("pallas", name, None, (), error_text(e), dtype)
+  block, splits = pallas_settings(shape)
+
+  def attn(q, k_pages, v_pages, table, lens):
+    return paged_attention.paged_attention(
+        q[:, 0], k_pages, v_pages, table, lens, pages_per_compute_block=block,
+        k_splits=splits, interpret=interpret)[:, None]
+
+  pages = [jnp.moveaxis(c, 2, 0) for c in caches]
+  scaled = (q * shape.h ** -0.5).astype(dtype)
+  args = jax.block_until_ready((scaled, *pages, table, lens))
+  return ("pallas", name, attn, args,
+          f"[K,P,page,H] copy; pages_per_compute_block={block}, k_splits={splits}", dtype)
+
+
+def run_paged_group(shape, t, dtype, entries, calls):
+  """The rows of ``entries`` with ``t`` query rows on ``shape``; the last is the baseline
+  the others are compared with."""
   group, outs = [], []
-  for name, attn, args, note in (
-      (f"cudnn_jax.sdpa_paged {engine}", ours, (query, query, *caches, table, lens), served),
-      (f"jax.nn {engine} (dense cache)", base, (query, query, *dense, lens),
-       "contiguous [B,S,K,H] cache")):
-    row = dict(case="paged", engine=name, backward=False, b=shape.b, s=shape.s, n=shape.n,
-               k=shape.k, h=shape.h, page=shape.page, dtype=jnp.dtype(dtype).name, note=note)
-    outs.append(measure(row, step_fn(attn, False), args, calls))
-    group.append(add_rates(row, shape.kv_bytes(dtype), "gbps", 1e9))
+  for impl, name, attn, args, note, cache_dtype in entries:
+    row = dict(case="paged", shape=shape.name, t=t, impl=impl, engine=name, backward=False,
+               b=shape.b, s=shape.s, n=shape.n, k=shape.k, h=shape.h, page=shape.page,
+               dtype=jnp.dtype(dtype).name, cache_dtype=jnp.dtype(cache_dtype).name,
+               cache_bytes=shape.kv_bytes(cache_dtype), note=note)
+    if attn is None:
+      row["error"] = f"skipped: {note}"
+      outs.append(None)
+    else:  # step_fn's first argument (dout) is unused by a forward call
+      outs.append(measure(row, step_fn(attn, False), (None, *args), calls))
+    add_rates(row, row["cache_bytes"], "gbps", 1e9)
+    add_rates(row, shape.flops(t), "tflops", 1e12)
+    if jnp.dtype(cache_dtype) != jnp.dtype(dtype):
+      add_rates(row, shape.kv_bytes(jnp.bfloat16), "gbps_bf16eq", 1e9)
+    group.append(row)
   compare_rows(group, outs)
-  return group, {}
+  return group
+
+
+def run_paged_shape(shape, engine, dtype, calls, interpret, pallas_skip):
+  """One row group: decode, multi-token decode and chunked prefill; (rows, FP8 scales)."""
+  dense, caches, table, lens = paged_caches(shape, dtype)
+  fp8_caches, scales = zip(*jax.block_until_ready([quantize(c) for c in caches]))
+  print(f"paged {shape.title}, d={shape.h}: {shape.b * shape.pages_per_seq} pages shuffled; "
+        f"FP8 scales k {float(scales[0]):.3g}, v {float(scales[1]):.3g}")
+  rows = []
+  for t in (DECODE_T, MTP_T, PREFILL_T):
+    q = jax.random.normal(jax.random.fold_in(jax.random.key(2), t),
+                          (shape.b, t, shape.n, shape.h), dtype)
+    entries = [paged_entry(engine, q, caches, table, lens, dtype)]
+    if t == DECODE_T:
+      entries += [paged_entry(engine, q, fp8_caches, table, lens, jnp.float8_e4m3fn, scales),
+                  pallas_entry(shape, q, caches, table, lens, dtype, interpret, pallas_skip),
+                  jax_nn_entry(engine, q, dense, lens, dtype)]
+    else:
+      entries.append(contiguous_entry(engine, q, dense, lens, dtype))
+    rows.extend(run_paged_group(shape, t, dtype, entries, calls))
+  return rows, [float(s) for s in scales]
+
+
+def run_paged(paged_shapes, quick, engine, dtype, calls):
+  interpret = jax.default_backend() != "gpu"
+  skip = ("Pallas interpret mode off the GPU: too slow for the full shapes"
+          if interpret and not quick else None)
+  rows, fp8_scales = [], {}
+  for shape in paged_shapes:  # one shape's arrays at a time
+    shape_rows, fp8_scales[shape.name] = run_paged_shape(shape, engine, dtype, calls,
+                                                         interpret, skip)
+    rows.extend(shape_rows)
+  return rows, dict(fp8_scales=fp8_scales, query_rows=[DECODE_T, MTP_T, PREFILL_T],
+                    pallas_interpret=interpret)
+
+
+def hbm_gbps():
+  """(the datasheet HBM GB/s of this card or None, its device_kind)."""
+  kind = jax.devices()[0].device_kind
+  return next((gbps for name, gbps in HBM_GBPS if name in kind), None), kind
+
+
+def measured(r, key):
+  """(``r[key]``, None), or (None, why the row has none)."""
+  if r is None:
+    return None, "row missing"
+  if not r.get(key):
+    return None, f"{r['engine']}: {r.get('error', 'no time')}"
+  return r[key], None
+
+
+def ratio(a, b, key):
+  """(``a[key] / b[key]``, None), or (None, why not)."""
+  (x, why), (y, why_b) = measured(a, key), measured(b, key)
+  return (x / y, None) if x and y else (None, why or why_b)
+
+
+def judge(what, result, target, unit, at_most=False):
+  """A target line: ``what``, the value of ``result`` (value, why none) and met / NOT met /
+  not measured."""
+  value, why = result
+  if value is None:
+    return f"{what}: not measured ({why})"
+  met = value <= target if at_most else value >= target
+  return (f"{what}: {value:.3g}{unit} (target {'<=' if at_most else '>='} {target:g}{unit}): "
+          f"{'met' if met else 'NOT met'}")
+
+
+def paged_targets(rows):
+  """The paged case's target lines, per row group."""
+  peak, card = hbm_gbps()
+  paged = [r for r in rows if r["case"] == "paged"]
+  lines = []
+  for name in dict.fromkeys(r["shape"] for r in paged):
+    def get(t, impl):
+      return next((r for r in paged if (r["shape"], r["t"], r["impl"]) == (name, t, impl)),
+                  None)
+    decode = get(DECODE_T, "paged")
+    gbps, why = measured(decode, "gbps_b2b")
+    hbm = ((100 * gbps / peak, None) if peak and gbps
+           else (None, why if peak else f"unknown card {card!r}"))
+    what = f"paged ({name})"
+    lines += [
+        judge(f"{what} decode GB/s vs jax.nn on the contiguous cache",
+              ratio(decode, get(DECODE_T, "jax_nn"), "gbps_b2b"), PAGED_VS_JAX_NN_TARGET, "x"),
+        judge(f"{what} decode GB/s, of the datasheet HBM bandwidth"
+              + (f" ({peak:.0f} GB/s, {card})" if peak else ""), hbm,
+              100 * PAGED_HBM_TARGET, "%"),
+        judge(f"{what} FP8-cache decode time vs the {paged[0]['dtype']} cache's",
+              ratio(get(DECODE_T, "paged_fp8"), decode, "ms_b2b"), PAGED_FP8_TIME_TARGET, "x",
+              at_most=True),
+        judge(f"{what} T={MTP_T} GB/s of the cache vs T={DECODE_T}'s",
+              ratio(get(MTP_T, "paged"), decode, "gbps_b2b"), PAGED_MTP_RATE_TARGET, "x"),
+        judge(f"{what} chunked prefill T={PREFILL_T} speed vs cudnn_jax.sdpa contiguous",
+              ratio(get(PREFILL_T, "sdpa"), get(PREFILL_T, "paged"), "ms_b2b"),
+              PAGED_PREFILL_TARGET, "x")]
+  return lines
 
 
 def targets(rows, quick):
   """Lines saying whether each target is met (on back-to-back times)."""
   lines = []
   for r in rows:
-    if not r["engine"].startswith("cudnn_jax"):
+    if r["case"] != "varlen" or not r["engine"].startswith("cudnn_jax"):
       continue
     what = f"{r['case']} {'fwd+bwd' if r['backward'] else 'fwd'}"
     if r.get("error"):
       lines.append(f"{what}: not measured ({r['error']})")
-    elif r["case"] == "varlen" and r.get("speedup_b2b"):
+    elif r.get("speedup_b2b"):
       met = r["speedup_b2b"] >= VARLEN_SPEEDUP_TARGET
       lines.append(f"{what}: {r['speedup_b2b']:.2f}x the padded jax.nn call (target >= "
                    f"{VARLEN_SPEEDUP_TARGET}x): {'met' if met else 'NOT met'}")
-    elif r["case"] == "paged" and r.get("gbps_b2b"):
-      met = r["gbps_b2b"] >= PAGED_GBPS_TARGET
-      lines.append(f"{what}: {r['gbps_b2b']:.0f} GB/s of K+V (target >= "
-                   f"{PAGED_GBPS_TARGET:.0f}; jax.nn dense about {PAGED_GBPS_JAX_NN:.0f}): "
-                   f"{'met' if met else 'NOT met'}")
+  lines += paged_targets(rows)
   if quick:
     lines = [line + " [--quick shapes: not the benchmark]" for line in lines]
   return lines
@@ -253,51 +512,88 @@ HEADER = (f"{'case':<7} {'pass':<8} {'engine':<36} {'ms':>8} {'ms(b2b)':>8} {'ra
 def print_row(r):
   def f(key, fmt):
     return format(r[key], fmt) if r.get(key) is not None else "-"
-  rate = "tflops" if r["case"] == "varlen" else "gbps"
+  paged = r["case"] == "paged"
+  rate = "tflops" if r["case"] == "varlen" or (paged and r["t"] == PREFILL_T) else "gbps"
   unit = "TFLOP/s" if rate == "tflops" else "GB/s"
-  line = (f"{r['case']:<7} {'fwd+bwd' if r['backward'] else 'fwd':<8} {r['engine']:<36} "
+  case = f"{r['case']} {r['shape']}" if paged else r["case"]
+  what = f"T={r['t']}" if paged else ("fwd+bwd" if r["backward"] else "fwd")
+  line = (f"{case:<7} {what:<8} {r['engine']:<36} "
           f"{f('ms', '.3f'):>8} {f('ms_b2b', '.3f'):>8} {f(rate, '.4g'):>8} "
           f"{f(rate + '_b2b', '.4g'):>10} {f('speedup_b2b', '.2f'):>8} "
           f"{f('rel_diff_vs_baseline', '.1e'):>9}  {unit}")
   note = r.get("error") or r.get("note")
+  if r.get("gbps_bf16eq_b2b"):
+    note = f"{r['gbps_bf16eq_b2b']:.4g} GB/s b2b bf16-equivalent; {note}"
   print(line + (f"  ({note})" if note else ""), flush=True)
 
 
-def plot(rows, path, with_target):
-  """One panel per case: TFLOP/s (varlen) or GB/s (paged), back to back, per engine; the
-  packed call's speed-up over the padded one above its bars."""
-  plt = pyplot()
+def plot_varlen(ax, mine):
+  """TFLOP/s back to back per pass and engine; the packed call's speed-up above its bars."""
+  passes = list(dict.fromkeys(r["backward"] for r in mine))
+  names = list(dict.fromkeys(r["engine"] for r in mine))
+  width = 0.8 / len(names)
+  for i, name in enumerate(names):
+    values = [next((r.get("tflops_b2b") or 0.0 for r in mine
+                    if r["engine"] == name and r["backward"] == b), 0.0) for b in passes]
+    bars = ax.bar(np.arange(len(passes)) + i * width, values, width, label=name)
+    if i == 0:
+      for bar, b in zip(bars, passes):
+        up = next((r.get("speedup_b2b") for r in mine
+                   if r["engine"] == name and r["backward"] == b), None)
+        if up:
+          ax.annotate(f"{up:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                      ha="center", va="bottom", fontsize=8)
+  ax.set_xticks(np.arange(len(passes)) + 0.4 - width / 2,
+                ["fwd+bwd" if b else "fwd" for b in passes])
+  ax.set_ylabel("effective TFLOP/s (back to back)")
+  ax.set_title(f"packed causal, {mine[0]['tokens']} tokens in {mine[0]['seqs']} sequences")
 
-  cases = [c for c in CASES if any(r["case"] == c for r in rows)]
-  fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.2), squeeze=False)
-  for ax, case in zip(axes[0], cases):
-    mine = [r for r in rows if r["case"] == case]
-    passes = list(dict.fromkeys(r["backward"] for r in mine))
-    names = list(dict.fromkeys(r["engine"] for r in mine))
-    metric = "tflops_b2b" if case == "varlen" else "gbps_b2b"
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-      values = [next((r.get(metric) or 0.0 for r in mine
-                      if r["engine"] == name and r["backward"] == b), 0.0) for b in passes]
-      bars = ax.bar(np.arange(len(passes)) + i * width, values, width, label=name)
-      if case == "varlen" and i == 0:
-        for bar, b in zip(bars, passes):
-          up = next((r.get("speedup_b2b") for r in mine
-                     if r["engine"] == name and r["backward"] == b), None)
-          if up:
-            ax.annotate(f"{up:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(np.arange(len(passes)) + 0.4 - width / 2,
-                  ["fwd+bwd" if b else "fwd" for b in passes])
-    if case == "paged" and with_target:
-      ax.axhline(PAGED_GBPS_TARGET, color="k", linestyle="--", linewidth=1,
-                 label=f"target {PAGED_GBPS_TARGET:.0f} GB/s")
-    if case == "paged":
-      ax.set_ylabel("GB/s of K+V (back to back)")
-      ax.set_title(f"paged decode, B={mine[0]['b']}, S={mine[0]['s']}, page {mine[0]['page']}")
+
+def plot_paged(ax, mine, metric, line=None):
+  """``metric`` per row group (grouped bars) and engine (T beside engines past decode where
+  the panel shows several); ``line`` (value, label) a horizontal line."""
+  several = len({r["t"] for r in mine}) > 1
+  label = lambda r: r["engine"] + (f" T={r['t']}" if several and r["t"] != DECODE_T else "")
+  groups = {r["shape"]: f"({r['shape']}) B={r['b']}\nS={r['s']}, page {r['page']}"
+            for r in mine}
+  names = list(dict.fromkeys(label(r) for r in mine))
+  width = 0.8 / len(names)
+  for i, name in enumerate(names):
+    values = [next((r.get(metric) or 0.0 for r in mine
+                    if label(r) == name and r["shape"] == g), 0.0) for g in groups]
+    ax.bar(np.arange(len(groups)) + i * width, values, width, label=name)
+  ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, list(groups.values()), fontsize=8)
+  if line:
+    ax.axhline(line[0], color="k", linestyle="--", linewidth=1, label=line[1])
+
+
+def plot(rows, path, with_target):
+  """The varlen panel (TFLOP/s back to back per engine, the packed call's speed-up above
+  its bars); the paged panels, per row group and engine: GB/s of the cache back to back at
+  T=1 and T=4 (with PAGED_HBM_TARGET of the card's HBM bandwidth), TFLOP/s back to back in
+  chunked prefill."""
+  plt = pyplot()
+  varlen = [r for r in rows if r["case"] == "varlen"]
+  paged = [r for r in rows if r["case"] == "paged"]
+  decode = [r for r in paged if r["t"] != PREFILL_T]
+  prefill = [r for r in paged if r["t"] == PREFILL_T]
+  panels = [p for p, mine in (("varlen", varlen), ("decode", decode), ("prefill", prefill))
+            if mine]
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+  for ax, panel in zip(axes[0], panels):
+    if panel == "varlen":
+      plot_varlen(ax, varlen)
+    elif panel == "decode":
+      peak, card = hbm_gbps()
+      line = ((PAGED_HBM_TARGET * peak, f"{PAGED_HBM_TARGET:.0%} of {card} HBM "
+               f"({PAGED_HBM_TARGET * peak:.0f} GB/s)") if with_target and peak else None)
+      plot_paged(ax, decode, "gbps_b2b", line)
+      ax.set_ylabel("GB/s of the cache read (back to back)")
+      ax.set_title(f"paged decode, T={DECODE_T} and T={MTP_T}")
     else:
-      ax.set_ylabel("effective TFLOP/s (back to back)")
-      ax.set_title(f"packed causal, {mine[0]['tokens']} tokens in {mine[0]['seqs']} sequences")
+      plot_paged(ax, prefill, "tflops_b2b")
+      ax.set_ylabel("TFLOP/s (back to back)")
+      ax.set_title(f"paged chunked prefill, T={PREFILL_T}")
     ax.legend(fontsize=7)
   fig.suptitle(f"{rows[0]['dtype']}, {jax.devices()[0].device_kind}", fontsize=9)
   save_figure(fig, path)
@@ -309,9 +605,9 @@ def collect(cases, quick, calls, out):
   on_gpu = jax.default_backend() == "gpu"
   engine = "cudnn" if on_gpu else "xla"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  varlen_shape, paged_shape = shapes(quick)
+  varlen_shape, paged_shapes = shapes(quick)
   runners = dict(varlen=functools.partial(run_varlen, varlen_shape),
-                 paged=functools.partial(run_paged, paged_shape))
+                 paged=functools.partial(run_paged, paged_shapes, quick))
   rows, meta = [], {}
   for case in cases:
     case_rows, case_meta = runners[case](engine, dtype, calls)
@@ -323,9 +619,9 @@ def collect(cases, quick, calls, out):
   verdicts = targets(rows, quick)
   print("\n".join(verdicts))
   plot(rows, os.path.join(out, "sdpa_features.png"), with_target=not quick)
-  meta.update(engine=engine, calls=calls, targets=verdicts,
+  meta.update(engine=engine, calls=calls, targets=verdicts, hbm_gbps=hbm_gbps()[0],
               varlen_shape=dataclasses.asdict(varlen_shape),
-              paged_shape=dataclasses.asdict(paged_shape))
+              paged_shapes=[dataclasses.asdict(s) for s in paged_shapes])
   return rows, meta
 
 

@@ -1,7 +1,8 @@
 """Attention over a paged KV cache: ``cudnn_jax.sdpa_paged``.
 
 Engines:
-- "cudnn": cuDNN's attention reading the pages in place through the page table. Page ids
+- "cudnn": cuDNN's attention reading the pages in place through the page table (decode:
+  one query row per sequence; more rows take the gathered call below). Page ids
   are not trusted: a call whose used pages include an id outside ``[0, P)`` runs the
   gathered call below instead (a branch on the device), which masks them.
 - "xla": each sequence's pages gathered into contiguous keys and values (positions of
@@ -258,6 +259,11 @@ def _paged_reason(call: PagedCall) -> str | None:
   if call.fp8:
     return ("float8_e4m3fn cache: cuDNN's paged graph reads caches in the query's dtype "
             "(the pages are gathered and dequantized)")
+  if call.gathered.t > 1:
+    # Seen on an H100 (cuDNN 9.19): 16 query rows over pages whose unused rows held NaN gave
+    # NaN rows, where one row does not; the contract lets those rows hold anything.
+    return ("T > 1 (chunked prefill): cuDNN's paged graph let NaN in a cache's unused rows "
+            "into the output; the pages are gathered instead")
   native, _ = _in_place_call(call)
   return (sdpa_ops.cudnn_static_reason(native)
           or sdpa_ops.cudnn_check(native, _in_place_config(call), False, call.pages, call.page))
