@@ -120,3 +120,20 @@ def test_declines_off_hopper_with_the_reason():
   text = cudnn_jax.explain("bsa", q, k, v, index, counts, block_size=16,
                            implementation="cudnn")
   assert "cudnn: declines" in text
+
+
+def test_under_vmap_matches_a_loop(emulated):
+  """vmap folds into the primitives' batch: values and gradients as one call per entry."""
+  emulated("bsa", "cudnn")
+  rng = np.random.default_rng(4)
+  cases = [make_case(rng, b=1, sq=100, skv=150, bs=64, **_KERNEL_SHAPES) for _ in range(3)]
+  q, k, v, index, counts = (jnp.stack([jnp.asarray(c[i]) for c in cases]) for i in range(5))
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  loss = lambda q, k, v, i, c: jnp.sum(cudnn_jax.bsa(q, k, v, i, c, block_size=64).astype(
+      jnp.float32) ** 2)
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  batched = jax.jit(jax.vmap(grad))(q, k, v, index, counts)
+  for j in range(len(cases)):
+    one = jax.jit(grad)(q[j], k[j], v[j], index[j], counts[j])
+    for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(one)):
+      np.testing.assert_array_equal(np.asarray(got[j], np.float32), np.asarray(want, np.float32))
