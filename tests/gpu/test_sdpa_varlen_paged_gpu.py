@@ -55,6 +55,36 @@ def test_varlen_cudnn_matches_oracle_and_xla(kwargs):
     assert rel_err(g, r) <= REL_TOL, name
 
 
+@pytest.mark.parametrize("unused", [
+    "zero", pytest.param("nan", marks=pytest.mark.xfail(
+        strict=True, reason="cuDNN 9.19 let NaN in unused cache rows through (H100)"))])
+def test_paged_in_place_chunked_prefill(monkeypatch, unused):
+  """cuDNN's paged graph read in place with 16 query rows (the public path gathers the
+  pages for T > 1): right when the caches' unused rows hold zeros; with NaN there, rows came
+  out NaN on an H100, which is why the public path gathers. The "nan" case tells whether a
+  cuDNN release stopped letting them through (then T > 1 may read in place again)."""
+  from cudnn_jax.ops import sdpa_paged as paged_ops  # pylint: disable=g-import-not-at-top
+  query, kc, vc, table, lens, keys, values = paged_case(
+      np.random.default_rng(1), [700, 33, 1024, 250], t=16, n=16, k=4, h=128, hv=128,
+      page=64)
+  if unused == "zero":
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+  q_lens = np.array([16, 13, 16, 1], np.int32)
+  args = (bf16(query), bf16(kc), bf16(vc), table, lens)
+  monkeypatch.setattr(paged_ops, "_paged_reason", lambda call: None)
+  text = cudnn_jax.explain("sdpa_paged", *args, query_seq_lengths=q_lens)
+  assert "reading the pages in place" in text, text
+  out = jax.jit(functools.partial(cudnn_jax.sdpa_paged, query_seq_lengths=q_lens,
+                                  implementation="cudnn"))(*args)
+  want, _ = oracle(np.asarray(args[0], np.float32), np.asarray(bf16(keys), np.float32),
+                   np.asarray(bf16(values), np.float32), key_value_seq_lengths=lens,
+                   query_seq_lengths=q_lens, is_causal=True, causal_alignment="bottom_right")
+  rows = sorted({tuple(int(i) for i in r[:2]) for r in np.argwhere(np.isnan(
+      np.asarray(out, np.float32)).any(-1))})
+  assert not rows, f"NaN in (sequence, row) {rows[:20]}"
+  assert rel_err(out, want) <= REL_TOL
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_paged_cudnn_matches_oracle(t):
   query, kc, vc, table, lens, keys, values = paged_case(
