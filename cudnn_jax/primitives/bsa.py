@@ -249,19 +249,19 @@ def _attend_bwd(call, res, cts):
     attend = lambda q, k, v: tuple(run(call, ops.BsaInputs(q, k, v, index, counts, sizes)))
     return jax.vjp(attend, q, k, v)[1]((dout, dlse))
 
-  zero = lambda c, like: jnp.zeros(like.shape, like.dtype) if isinstance(
-      c, jax.custom_derivatives.SymbolicZero) else c
-  dout, dlse_or_zero = zero(dout, out).astype(out.dtype), dlse
+  symbolic = lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero)
+  zero = lambda c, like: jnp.zeros(like.shape, like.dtype) if symbolic(c) else c
+  dout = zero(dout, out).astype(out.dtype)
   if backward_reason(call) is not None:
     return fallback(dout, zero(dlse, lse)) + no_grads
 
-  def kernels(dout, dlse):
+  def kernels(dout, dlse=None):
     del dlse
     grads = backward(_config(call), dout, q, k, v, out, lse, index, counts, sizes[:, 0])
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
-  if isinstance(dlse_or_zero, jax.custom_derivatives.SymbolicZero):
-    return kernels(dout, None) + no_grads
+  if symbolic(dlse):
+    return kernels(dout) + no_grads
   # The kernels take no lse cotangent: a call whose lse is differentiated (one that is not
   # all zero) takes the other engine's gradients.
   return jax.lax.cond(jnp.any(dlse != 0), fallback, kernels, dout, dlse) + no_grads
