@@ -1,6 +1,7 @@
 """Benchmark of the cudnn engine on packed sequences and paged KV caches.
 
     python bench/sdpa_features.py [--cases varlen,paged] [--calls 20] [--out DIR] [--quick]
+        [--paged-engines cudnn,triton]
 
 varlen: a packed training batch of 16384 tokens in 16 sequences of Dirichlet-random
 lengths (B=1 packed), 16 heads, head dim 128, causal, bfloat16. cudnn_jax.sdpa_varlen
@@ -17,7 +18,8 @@ paged: three row groups, bfloat16, head dim 128, every sequence holding S cached
   (a) B=64, 32 query / 8 kv heads, S=8192, page 64;
   (b) B=8, 64 query / 8 kv heads, S=32768, page 16;
   (c) B=256, 32 query / 8 kv heads, S=4096, page 16.
-Per group, side by side in one run (cudnn_jax and jax.nn with implementation="cudnn"):
+Per group, side by side in one run (cudnn_jax.sdpa_paged on each of --paged-engines,
+default cudnn and triton, the others with implementation="cudnn"):
   decode, T=1 query row: cudnn_jax.sdpa_paged; cudnn_jax.sdpa_paged on the same caches
     quantized to float8_e4m3fn (k_scale / v_scale = max|x| / 448); JAX's Pallas kernel
     jax.experimental.pallas.ops.gpu.paged_attention on a [K,P,page,H] copy of the caches
@@ -33,7 +35,7 @@ Every layout, copy and quantization is made once, outside the timing. Rates: GB/
 cache read, 2*B*S*K*H*itemsize bytes (2 for bfloat16; FP8 rows count their 1-byte
 elements, and also give "gbps_bf16eq": the bfloat16 cache's bytes over the same time);
 TFLOP/s as well, 4*B*N*d*(T*(S-T) + T*(T+1)/2) (shown for chunked prefill).
-Targets, per group: decode >= 0.95x jax.nn's GB/s on the contiguous cache and >= 85% of
+Targets, per group and sdpa_paged engine: decode >= 0.95x jax.nn's GB/s on the contiguous cache and >= 85% of
 the card's datasheet HBM bandwidth (H100 3350 GB/s, H200 4800 GB/s; another card is
 "unknown card", not judged); FP8-cache decode time <= 0.6x the bfloat16 cache's; T=4
 GB/s >= 0.9x the T=1 GB/s (the same cache bytes); chunked prefill >= 0.95x the speed of
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import time
 import warnings
@@ -82,6 +85,7 @@ PAGED_PREFILL_TARGET = 0.95  # chunked prefill speed / cudnn_jax.sdpa's contiguo
 HBM_GBPS = (("H200", 4800.0), ("H100", 3350.0))  # datasheet, by device_kind substring
 DECODE_T, MTP_T, PREFILL_T = 1, 4, 128  # query rows per sequence
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+PAGED_ENGINES = {True: ("cudnn", "triton"), False: ("xla",)}  # by "on a GPU"
 PALLAS_BLOCK_KEYS = 128  # keys per compute block of the Pallas kernel
 PALLAS_MAX_SPLITS = 16
 
@@ -389,8 +393,9 @@ def run_paged_group(shape, t, dtype, entries, calls):
   return group
 
 
-def run_paged_shape(shape, engine, dtype, calls, interpret, pallas_skip):
-  """One row group: decode, multi-token decode and chunked prefill; (rows, FP8 scales)."""
+def run_paged_shape(shape, engine, paged_engines, dtype, calls, interpret, pallas_skip):
+  """One row group: decode, multi-token decode and chunked prefill, ``sdpa_paged`` on each
+  of ``paged_engines``; (rows, FP8 scales)."""
   dense, caches, table, lens = paged_caches(shape, dtype)
   fp8_caches, scales = zip(*jax.block_until_ready([quantize(c) for c in caches]))
   print(f"paged {shape.title}, d={shape.h}: {shape.b * shape.pages_per_seq} pages shuffled; "
@@ -399,10 +404,11 @@ def run_paged_shape(shape, engine, dtype, calls, interpret, pallas_skip):
   for t in (DECODE_T, MTP_T, PREFILL_T):
     q = jax.random.normal(jax.random.fold_in(jax.random.key(2), t),
                           (shape.b, t, shape.n, shape.h), dtype)
-    entries = [paged_entry(engine, q, caches, table, lens, dtype)]
+    entries = [paged_entry(e, q, caches, table, lens, dtype) for e in paged_engines]
     if t == DECODE_T:
-      entries += [paged_entry(engine, q, fp8_caches, table, lens, jnp.float8_e4m3fn, scales),
-                  pallas_entry(shape, q, caches, table, lens, dtype, interpret, pallas_skip),
+      entries += [paged_entry(e, q, fp8_caches, table, lens, jnp.float8_e4m3fn, scales)
+                  for e in paged_engines]
+      entries += [pallas_entry(shape, q, caches, table, lens, dtype, interpret, pallas_skip),
                   jax_nn_entry(engine, q, dense, lens, dtype)]
     else:
       entries.append(contiguous_entry(engine, q, dense, lens, dtype))
@@ -410,17 +416,17 @@ def run_paged_shape(shape, engine, dtype, calls, interpret, pallas_skip):
   return rows, [float(s) for s in scales]
 
 
-def run_paged(paged_shapes, quick, engine, dtype, calls):
+def run_paged(paged_shapes, paged_engines, quick, engine, dtype, calls):
   interpret = jax.default_backend() != "gpu"
   skip = ("Pallas interpret mode off the GPU: too slow for the full shapes"
           if interpret and not quick else None)
   rows, fp8_scales = [], {}
   for shape in paged_shapes:  # one shape's arrays at a time
-    shape_rows, fp8_scales[shape.name] = run_paged_shape(shape, engine, dtype, calls,
-                                                         interpret, skip)
+    shape_rows, fp8_scales[shape.name] = run_paged_shape(shape, engine, paged_engines, dtype,
+                                                         calls, interpret, skip)
     rows.extend(shape_rows)
   return rows, dict(fp8_scales=fp8_scales, query_rows=[DECODE_T, MTP_T, PREFILL_T],
-                    pallas_interpret=interpret)
+                    pallas_interpret=interpret, engines=list(paged_engines))
 
 
 def hbm_gbps():
@@ -455,20 +461,26 @@ def judge(what, result, target, unit, at_most=False):
           f"{'met' if met else 'NOT met'}")
 
 
+def paged_engine(row):
+  """The sdpa_paged engine of a ``cudnn_jax.sdpa_paged`` row, else None."""
+  return row["engine"].split()[1] if row["impl"].startswith("paged") else None
+
+
 def paged_targets(rows):
   """The paged case's target lines, per row group."""
   peak, card = hbm_gbps()
   paged = [r for r in rows if r["case"] == "paged"]
   lines = []
-  for name in dict.fromkeys(r["shape"] for r in paged):
+  engines = dict.fromkeys(paged_engine(r) for r in paged if paged_engine(r))
+  for name, engine in itertools.product(dict.fromkeys(r["shape"] for r in paged), engines):
     def get(t, impl):
-      return next((r for r in paged if (r["shape"], r["t"], r["impl"]) == (name, t, impl)),
-                  None)
+      return next((r for r in paged if (r["shape"], r["t"], r["impl"]) == (name, t, impl)
+                   and paged_engine(r) in (None, engine)), None)
     decode = get(DECODE_T, "paged")
     gbps, why = measured(decode, "gbps_b2b")
     hbm = ((100 * gbps / peak, None) if peak and gbps
            else (None, why if peak else f"unknown card {card!r}"))
-    what = f"paged ({name})"
+    what = f"paged ({name}) {engine}"
     lines += [
         judge(f"{what} decode GB/s vs jax.nn on the contiguous cache",
               ratio(decode, get(DECODE_T, "jax_nn"), "gbps_b2b"), PAGED_VS_JAX_NN_TARGET, "x"),
@@ -599,7 +611,7 @@ def plot(rows, path, with_target):
   save_figure(fig, path)
 
 
-def collect(cases, quick, calls, out):
+def collect(cases, quick, calls, out, paged_engines=None):
   """Runs the cases, prints their tables and verdicts, writes DIR/sdpa_features.png;
   (rows, meta) for a results file."""
   on_gpu = jax.default_backend() == "gpu"
@@ -607,7 +619,8 @@ def collect(cases, quick, calls, out):
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   varlen_shape, paged_shapes = shapes(quick)
   runners = dict(varlen=functools.partial(run_varlen, varlen_shape),
-                 paged=functools.partial(run_paged, paged_shapes, quick))
+                 paged=functools.partial(run_paged, paged_shapes,
+                                         paged_engines or PAGED_ENGINES[on_gpu], quick))
   rows, meta = [], {}
   for case in cases:
     case_rows, case_meta = runners[case](engine, dtype, calls)
@@ -631,6 +644,10 @@ def main():
                       help=f"comma-separated, of {', '.join(CASES)}")
   parser.add_argument("--calls", type=int, default=20, help="timed calls per measurement")
   parser.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+  parser.add_argument("--paged-engines", default=None,
+                      help="comma-separated sdpa_paged engines (default: "
+                      f"{','.join(PAGED_ENGINES[True])} on a GPU, else "
+                      f"{','.join(PAGED_ENGINES[False])})")
   args = parser.parse_args()
   cases = [c for c in args.cases.split(",") if c]
   if not cases or set(cases) - set(CASES):
@@ -640,7 +657,8 @@ def main():
                  "use --quick for a smoke test")
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
-  rows, meta = collect(cases, args.quick, args.calls, args.out)
+  paged_engines = args.paged_engines and [e for e in args.paged_engines.split(",") if e]
+  rows, meta = collect(cases, args.quick, args.calls, args.out, paged_engines)
   elapsed = time.perf_counter() - start
   json_path = write_results(args.out, "sdpa_features", rows, quick=args.quick,
                             seconds=elapsed, cache_info=cudnn_jax.cache_info(), **meta)

@@ -17,7 +17,7 @@ def sm90_export():
     pytest.skip("this JAX has no Pallas Triton backend")
 
   class _Sm90:
-    compute_capability = "9.0"
+    compute_capability = 90
 
   original = registration.gpu_info_lib.get_gpu_info
   registration.gpu_info_lib.get_gpu_info = lambda: _Sm90()

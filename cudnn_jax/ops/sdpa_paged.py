@@ -5,12 +5,16 @@ Engines:
   one query row per sequence; more rows take the gathered call below). Page ids
   are not trusted: a call whose used pages include an id outside ``[0, P)`` runs the
   gathered call below instead (a branch on the device), which masks them.
+- "triton": our split-KV decode kernel (cudnn_jax/triton/sdpa_paged.py), a few query rows
+  per sequence (decode, speculative decoding: T*G <= 128 rows per kv head): each kv head's
+  pages read in place once for its query group, long caches split across programs, an FP8
+  cache converted in registers; every option of the op.
 - "xla": each sequence's pages gathered into contiguous keys and values (positions of
   invalid ids masked), run as one ``sdpa`` call with the sequences' lengths and
   bottom-right causal alignment. The gather reads every page once more than a kernel
   reading pages in place would.
 A float8_e4m3fn cache is dequantized (``value * scale``, in the query's dtype) as its
-pages are gathered, on either engine.
+pages are gathered, on the gathering engines.
 """
 
 from __future__ import annotations
@@ -316,8 +320,53 @@ def _describe_cudnn(call: PagedCall) -> str:
   return "the pages gathered, on sdpa's cudnn engine"
 
 
+# "triton": opt-in until its GPU tests (tests/gpu/test_sdpa_varlen_paged_gpu.py) have passed
+# on hardware; on CPU its kernel runs in the Pallas interpreter (tests/test_sdpa_paged_triton.py).
+
+
+def _supports_triton(call: PagedCall, interpret=False) -> str | None:
+  if not interpret and (backend := jax.default_backend()) != "gpu":
+    return f"default backend is {backend!r}, not 'gpu'"
+  from cudnn_jax.triton import sdpa_paged as kernel  # pylint: disable=g-import-not-at-top
+  c = call.gathered
+  return kernel.supports(c.t, c.n // c.k, c.h, c.hv, c.dtype)
+
+
+def _on_shard_triton(config, query, key_cache, value_cache, page_table, kv_lengths,
+                     q_lengths, sinks, scales):
+  """What one device computes: its sequences and heads (on one device, the whole call)."""
+  from cudnn_jax.triton import sdpa_paged as kernel  # pylint: disable=g-import-not-at-top
+  call, interpret = config
+  c = call.gathered
+  return kernel.sdpa_paged(
+      query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
+      sinks if c.has_sinks else None, scales[0], scales[1], scale=c.scale,
+      causal=c.is_causal, window=c.window, soft_cap=c.logits_soft_cap,
+      cores=getattr(jax.devices()[0], "core_count", 132), interpret=interpret)
+
+
+# Sequences and heads stay local: on a mesh each device reads only its own pages and heads.
+_triton_per_shard = core.per_shard(
+    "sdpa_paged_triton", _on_shard_triton,
+    "b t n h, p g k h, p g k d, b m, b, b, n, s -> b t n d, b n t", shardable=("b", ("n", "k")))
+
+
+def _run_triton(call: PagedCall, x: PagedInputs, interpret=False):
+  b, t, n = x.query.shape[:3]
+  q_lengths = jnp.full((b,), t, jnp.int32) if x.q_lengths is None else x.q_lengths
+  sinks = jnp.zeros((n,), jnp.float32) if x.sinks is None else x.sinks.astype(jnp.float32)
+  one = jnp.ones((), jnp.float32)
+  scales = jnp.stack([one if s is None else s for s in (x.k_scale, x.v_scale)])
+  out, lse = _triton_per_shard((call, interpret), x.query, x.key_cache, x.value_cache,
+                               x.page_table, x.kv_lengths, q_lengths, sinks, scales)
+  return out, (lse if call.gathered.return_lse else None)
+
+
 engines.register_op("sdpa_paged", lambda *a, **kw: _prepare(*a, **kw)[0])
 engines.register_engine("sdpa_paged", "xla", supports=lambda call: None,
                         run=_on_sdpa_engine("xla"))
 engines.register_engine("sdpa_paged", "cudnn", supports=_supports_cudnn, run=_run_cudnn,
                         describe=_describe_cudnn)
+engines.register_engine(
+    "sdpa_paged", "triton", supports=_supports_triton, run=_run_triton, opt_in=True,
+    describe=lambda call: "our split-KV Pallas kernel reading the pages in place")

@@ -33,19 +33,13 @@ same bits on every run.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cudnn_jax.reference import matmul_precision
-
-# Exponentials are taken base 2 (one ex2 instruction each on the GPU): logits are scaled by
-# log2(e) and the lse converted at the ends.
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from cudnn_jax.triton.common import LN2, LOG2E, dot as _dot, launch
 
 
 def _params(bs, dtype):
@@ -56,37 +50,9 @@ def _params(bs, dtype):
   return pl_triton.CompilerParams(num_warps=4 if bs == 64 else 8, num_stages=stages)
 
 
-def _poisoned() -> bool:
-  """CUDNN_JAX_POISON_OUTPUTS set (not "0"): results start NaN-filled, as for the FFI
-  handlers, so a test sees any element the programs leave unwritten."""
-  return os.environ.get("CUDNN_JAX_POISON_OUTPUTS", "0") not in ("", "0")
-
-
-def _launch(kernel, args, *, grid, in_specs, out_specs, out_shape, bs, dtype, interpret,
-            name):
-  """``pallas_call`` of ``kernel`` over ``grid`` on ``args``: a list of results; ``dtype``
-  the operands' (q, k, v)."""
-  aliases = {}
-  if _poisoned():
-    # NaN-filled buffers passed in and written in place; the kernel never reads them.
-    n_in, n_out = len(args), len(out_shape)
-    args = [*args, *(jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape)]
-    in_specs = [*in_specs, *out_specs]
-    aliases = {n_in + i: i for i in range(n_out)}
-    body = kernel
-    kernel = lambda *refs: body(*refs[:n_in], *refs[n_in + n_out:])
-  return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      input_output_aliases=aliases, interpret=interpret,
-      compiler_params=_params(bs, dtype), name=name)(*args)
-
-
-def _dot(a, b, *, ta=False, tb=False):
-  """``a @ b`` (``a^T``, ``b^T`` where asked) in float32, true float32 products for float32
-  operands."""
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype),
-                             preferred_element_type=jnp.float32)
+def _launch(kernel, args, *, bs, dtype, **kw):
+  """``launch`` with the block size's and dtype's (q, k, v) compiler parameters."""
+  return launch(kernel, args, compiler_params=_params(bs, dtype), **kw)
 
 
 def _rows(m, bs):

@@ -1,5 +1,6 @@
-"""cudnn_jax.sdpa_varlen and cudnn_jax.sdpa_paged on the cudnn engine (bf16) against the
-float64 oracle and the xla engine; outputs poisoned (CUDNN_JAX_POISON_OUTPUTS, conftest)."""
+"""cudnn_jax.sdpa_varlen and cudnn_jax.sdpa_paged on the cudnn engine (bf16), and sdpa_paged
+on the triton engine (bf16 and FP8 caches), against the float64 oracle and the xla engine;
+outputs poisoned (CUDNN_JAX_POISON_OUTPUTS, conftest)."""
 
 import functools
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 import cudnn_jax
-from sdpa_oracle import (oracle, paged_case, rel_err_finite as rel_err, varlen_case,
-                         varlen_oracle)
+from sdpa_oracle import (oracle, paged_case, paged_oracle, rel_err_finite as rel_err,
+                         varlen_case, varlen_oracle)
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +102,63 @@ def test_paged_cudnn_matches_oracle(t):
                    query_seq_lengths=q_lens, is_causal=True, causal_alignment="bottom_right")
   assert rel_err(out, want) <= REL_TOL
   assert rel_err(out, ref) <= REL_TOL
+
+
+# The triton engine: our split-KV decode kernel reading pages in place.
+
+TRITON_CASES = {  # (t, n, k, h, page, options)
+    "decode": (1, 32, 8, 128, 64, {}),
+    "mtp_t4_page16": (4, 32, 8, 128, 16, {}),
+    "t8_ratio8_d64": (8, 64, 8, 64, 256, {}),
+    "d256_sinks_softcap": (1, 8, 1, 256, 16, dict(
+        logits_soft_cap=30.0, sinks=np.linspace(-1.0, 2.0, 8).astype(np.float32))),
+    "window_lse": (2, 16, 4, 128, 64, dict(local_window_size=(300, 0), return_lse=True)),
+}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_paged_triton_matches_oracle(case, fp8):
+  """bf16 query over bf16 or FP8 caches on shuffled pages with NaN in every unused row and
+  out-of-range ids past the lengths; ragged lengths long enough to split the keys; every
+  query head's rows against the float64 math."""
+  t, n, k, h, page, options = TRITON_CASES[case]
+  rng = np.random.default_rng(3)
+  lens = [3000, 1, 1500, 0, 4096, 17]
+  query, kc, vc, table, lens, _, _ = paged_case(rng, lens, t=t, n=n, k=k, h=h, hv=h,
+                                                page=page)
+  q_lens = np.array([t, 1, max(t - 1, 1), t, t, t], np.int32)
+  kw = dict(query_seq_lengths=q_lens, **options)
+  args = (bf16(query), bf16(kc), bf16(vc), table, lens)
+  if fp8:
+    k_scale, v_scale = np.float32(0.02), np.float32(0.03)
+    fp8_cache = lambda c, s: jnp.asarray(np.asarray(c, np.float32) / s, jnp.float8_e4m3fn)
+    args = (args[0], fp8_cache(kc, k_scale), fp8_cache(vc, v_scale), table, lens)
+    kw.update(k_scale=k_scale, v_scale=v_scale)
+  assert "'triton' serves" in cudnn_jax.explain("sdpa_paged", *args, implementation="triton",
+                                                **kw)
+  got = jax.jit(functools.partial(cudnn_jax.sdpa_paged, implementation="triton", **kw))(*args)
+  caches = [np.asarray(jnp.asarray(c, jnp.float32)) for c in args[1:3]]
+  if fp8:
+    caches = [caches[0] * k_scale, caches[1] * v_scale]
+  oracle_kw = {x: y for x, y in kw.items() if x not in ("return_lse", "k_scale", "v_scale")}
+  want_out, want_lse = paged_oracle(np.asarray(args[0], np.float32), *caches, table, lens,
+                                    **oracle_kw)
+  out, lse = got if options.get("return_lse") else (got, None)
+  assert rel_err(out, want_out) <= REL_TOL
+  if lse is not None:
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(finite, np.isfinite(np.asarray(lse)))
+    assert float(np.max(np.abs(np.asarray(lse)[finite] - want_lse[finite]))) <= 2e-2
+
+
+def test_paged_triton_bad_page_ids_read_nothing():
+  """Page ids outside [0, P) among the used pages contribute no keys (SPEC section 8)."""
+  query, kc, vc, table, lens, _, _ = paged_case(
+      np.random.default_rng(4), [1000, 700, 64], n=32, k=8, h=128, hv=128, page=16)
+  table = table.copy()
+  table[0, 3], table[1, 10], table[2, 0] = -1, kc.shape[0], 2 ** 31 - 1
+  args = (bf16(query), bf16(kc), bf16(vc), table, lens)
+  out = jax.jit(functools.partial(cudnn_jax.sdpa_paged, implementation="triton"))(*args)
+  want, _ = paged_oracle(*(np.asarray(x, np.float32) for x in args[:3]), table, lens)
+  assert rel_err(out, want) <= REL_TOL
