@@ -79,6 +79,42 @@ def test_multi_head_attention_decodes_from_a_paged_cache(window):
     step(cache, x[:, :2, None])
 
 
+def fp8_rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+FP8_TOL = 0.08  # ||a - b|| / ||b|| of a layer's output over an e4m3 cache
+
+
+def test_multi_head_attention_decodes_from_an_fp8_cache():
+  """cache_dtype=float8_e4m3fn: the cache stores k / k_scale and v / v_scale in e4m3 and
+  decoding matches attention over the whole sequence within FP8's precision."""
+  x = normal(9, (2, 12, 16))
+  layer = fm.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, is_causal=True,
+                                page_size=4, cache_dtype=jnp.float8_e4m3fn, k_scale=0.02,
+                                v_scale=0.05)
+  params = layer.init(jax.random.key(0), x)["params"]
+  full = layer.apply({"params": params}, x)
+  cache = layer.init(jax.random.key(0), x, decode=True)["cache"]
+  assert cache["key_pages"].dtype == jnp.float8_e4m3fn
+  step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
+                                              decode=True, mutable=["cache"]))
+  outs = []
+  for lo, hi in [(0, 5)] + [(t, t + 1) for t in range(5, 12)]:
+    y, variables = step(cache, x[:, lo:hi])
+    outs.append(y)
+    cache = variables["cache"]
+  assert fp8_rel_err(jnp.concatenate(outs, 1), full) <= FP8_TOL
+  # The first token's key, stored at logical page 0 of sequence 0, is k / k_scale.
+  k = nn.DenseGeneral((2, 8)).apply({"params": params["key"]}, x[:1, :1])
+  stored = np.asarray(cache["key_pages"][cache["page_table"][0, 0], 0], np.float32)
+  np.testing.assert_allclose(stored * 0.02, np.asarray(k[0, 0]), rtol=0.07, atol=1e-3)
+  with pytest.raises(ValueError, match="cache_dtype"):
+    fm.MultiHeadAttention(num_heads=4, head_dim=8, cache_dtype=jnp.int8).init(
+        jax.random.key(0), x, decode=True)
+
+
 def test_kimi_delta_attention_state_continues_a_sequence():
   x = normal(2, (2, 16, 24))
   layer = fm.KimiDeltaAttention(num_heads=2, head_dim=8, num_v_heads=4)
@@ -172,6 +208,21 @@ def test_nnx_multi_head_attention_decodes_from_a_paged_cache():
   outs = [layer(x[:, :4], decode=True)] + [layer(x[:, t:t + 1], decode=True)
                                            for t in range(4, 11)]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+
+
+def test_nnx_multi_head_attention_decodes_from_an_fp8_cache():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from cudnn_jax.flax_modules import nnx as fnnx  # pylint: disable=g-import-not-at-top
+  x = normal(10, (2, 9, 16))
+  layer = fnnx.MultiHeadAttention(16, 4, 8, num_kv_heads=2, is_causal=True,
+                                  cache_dtype=jnp.float8_e4m3fn, k_scale=0.02, v_scale=0.05,
+                                  rngs=nnx.Rngs(0))
+  full = layer(x)
+  layer.init_cache(2, 9, page_size=4)
+  assert layer.cache.get_value()["value_pages"].dtype == jnp.float8_e4m3fn
+  outs = [layer(x[:, :3], decode=True)] + [layer(x[:, t:t + 1], decode=True)
+                                           for t in range(3, 9)]
+  assert fp8_rel_err(jnp.concatenate(outs, 1), full) <= FP8_TOL
 
 
 @pytest.mark.parametrize("features,norm", [(8, "rms"), (12, "group")])

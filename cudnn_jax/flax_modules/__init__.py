@@ -118,11 +118,27 @@ def paged_cache(batch, max_length, kv_heads, head_dim, dtype, page_size):
               lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def cached_attention(cache, q, k, v, *, is_causal, local_window_size, implementation):
+FP8_CACHE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def cache_dtype_of(cache_dtype, compute_dtype):
+  """The dtype a paged cache stores: ``cache_dtype`` (None: the compute dtype, or
+  float8_e4m3fn with per-layer scales)."""
+  if cache_dtype is None:
+    return jnp.dtype(compute_dtype)
+  if jnp.dtype(cache_dtype) not in (jnp.dtype(FP8_CACHE), jnp.dtype(compute_dtype)):
+    raise ValueError(f"cache_dtype: expected None or float8_e4m3fn, got {cache_dtype!r}")
+  return jnp.dtype(cache_dtype)
+
+
+def cached_attention(cache, q, k, v, *, is_causal, local_window_size, implementation,
+                     k_scale=1.0, v_scale=1.0):
   """Appends ``k``/``v [B, T, K, H]`` to each sequence of ``cache`` (at its length) and
   attends ``q [B, T, N, H]`` over everything cached, with ``cudnn_jax.sdpa_paged`` (causal
   bottom-right aligned). Returns ``(out [B, T, N, H], updated cache)``; tokens past the
-  cache's capacity are not stored."""
+  cache's capacity are not stored. An FP8 cache stores ``x / scale`` (saturated at the
+  format's largest value) and is read back as ``stored * scale``."""
   table, lengths = cache["page_table"], cache["lengths"]
   pages, page = cache["key_pages"].shape[:2]
   capacity = table.shape[1] * page
@@ -130,15 +146,21 @@ def cached_attention(cache, q, k, v, *, is_causal, local_window_size, implementa
   physical = jnp.take_along_axis(table, jnp.minimum(position // page, table.shape[1] - 1),
                                  axis=1)
   physical = jnp.where(position < capacity, physical, pages)  # past the end: dropped
-  store = lambda pages_, x: pages_.at[physical, position % page].set(
-      x.astype(pages_.dtype), mode="drop")
-  cache = dict(cache, key_pages=store(cache["key_pages"], k),
-               value_pages=store(cache["value_pages"], v),
+  fp8 = cache["key_pages"].dtype == jnp.dtype(FP8_CACHE)
+  scales = dict(k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale)) if fp8 else {}
+
+  def store(pages_, x, scale):
+    if fp8:
+      x = jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)
+    return pages_.at[physical, position % page].set(x.astype(pages_.dtype), mode="drop")
+
+  cache = dict(cache, key_pages=store(cache["key_pages"], k, k_scale),
+               value_pages=store(cache["value_pages"], v, v_scale),
                lengths=jnp.minimum(lengths + k.shape[1], capacity))
   out = cudnn_jax.sdpa_paged(q, cache["key_pages"], cache["value_pages"], table,
                              cache["lengths"], is_causal=is_causal,
                              local_window_size=local_window_size,
-                             implementation=implementation)
+                             implementation=implementation, **scales)
   return out, cache
 
 
@@ -196,6 +218,9 @@ class MultiHeadAttention(nn.Module):
   attends within x; each later call appends its ``x [B, T, features]`` tokens (one for
   decoding, more for a chunk of a prompt) and attends over everything cached
   (``cudnn_jax.sdpa_paged``; causal, when the layer is, aligned to the newest token).
+  ``cache_dtype`` (None: the compute dtype) may be ``jnp.float8_e4m3fn``: the cache stores
+  ``k / k_scale`` and ``v / v_scale`` (static per-layer scales, 1.0 unless calibrated) and
+  attention reads it back as ``stored * scale``, half the bytes of a bf16 cache.
 
   ``context_parallel_axis`` (and ``context_parallel_strategy``): sdpa's context
   parallelism, the sequence sharded along that mesh axis (not with segment_ids).
@@ -208,6 +233,9 @@ class MultiHeadAttention(nn.Module):
   dtype: Any = None
   implementation: Any = None
   page_size: int = 64
+  cache_dtype: Any = None
+  k_scale: float = 1.0
+  v_scale: float = 1.0
   context_parallel_axis: str | None = None
   context_parallel_strategy: str = "all_gather"
 
@@ -227,13 +255,13 @@ class MultiHeadAttention(nn.Module):
       names = ("key_pages", "value_pages", "page_table", "lengths")
       cache = {n: self.variable("cache", n) for n in names}
       out, updated = cached_attention({n: c.value for n, c in cache.items()}, q, k, v,
-                                      **options)
+                                      k_scale=self.k_scale, v_scale=self.v_scale, **options)
       for n, c in cache.items():
         c.value = updated[n]
     else:
       if decode:  # first call: size the cache by x
-        empty = paged_cache(x.shape[0], x.shape[1], kv_heads, self.head_dim, k.dtype,
-                            self.page_size)
+        empty = paged_cache(x.shape[0], x.shape[1], kv_heads, self.head_dim,
+                            cache_dtype_of(self.cache_dtype, k.dtype), self.page_size)
         for n, value in empty.items():
           self.variable("cache", n, lambda value=value: value)
       parallel = {} if self.context_parallel_axis is None else dict(

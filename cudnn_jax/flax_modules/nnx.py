@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, cached_attention,
-                                    causal_block, fused_attention, kimi_delta, mixture,
-                                    paged_cache, self_attention)
+from cudnn_jax.flax_modules import (CONV_INIT, EXPERT_INIT, a_log_init, cache_dtype_of,
+                                    cached_attention, causal_block, fused_attention,
+                                    kimi_delta, mixture, paged_cache, self_attention)
 
 __all__ = ["dot_product_attention", "MultiHeadAttention", "KimiDeltaAttention", "MoEMLP",
            "CausalConv3dBlock"]
@@ -38,11 +38,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
 class MultiHeadAttention(nnx.Module):
   """Self-attention ``x [..., T, in_features] -> [..., T, in_features]`` (see the linen
   ``MultiHeadAttention``). For decoding, ``init_cache`` creates the paged KV cache that
-  ``decode=True`` calls append to."""
+  ``decode=True`` calls append to (``cache_dtype``, ``k_scale``, ``v_scale`` as there)."""
 
   def __init__(self, in_features: int, num_heads: int, head_dim: int,
                num_kv_heads: int | None = None, is_causal: bool = False,
                local_window_size: Any = None, dtype: Any = None, implementation: Any = None,
+               cache_dtype: Any = None, k_scale: float = 1.0, v_scale: float = 1.0,
                *, rngs: nnx.Rngs):
     kv_heads = num_kv_heads or num_heads
     heads = lambda n: nnx.LinearGeneral(in_features, (n, head_dim), dtype=dtype, rngs=rngs)
@@ -52,12 +53,13 @@ class MultiHeadAttention(nnx.Module):
     self.is_causal, self.local_window_size = is_causal, local_window_size
     self.implementation = implementation
     self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+    self.cache_dtype, self.k_scale, self.v_scale = cache_dtype, k_scale, v_scale
     self.cache = nnx.data(None)  # an nnx.Cache once init_cache has run
 
   def init_cache(self, batch: int, max_length: int, *, page_size: int = 64):
     """An empty paged KV cache for ``batch`` sequences of up to ``max_length`` tokens."""
     empty = paged_cache(batch, max_length, self.kv_heads, self.head_dim,
-                        self.dtype or jnp.float32, page_size)
+                        cache_dtype_of(self.cache_dtype, self.dtype or jnp.float32), page_size)
     self.cache = nnx.Cache(empty)
 
   def __call__(self, x, *, segment_ids=None, decode=False):
@@ -71,7 +73,8 @@ class MultiHeadAttention(nnx.Module):
     if segment_ids is not None or x.ndim != 3:
       raise ValueError("decode: expected x [B, T, features] and no segment_ids, got x "
                        f"{tuple(x.shape)}")
-    out, updated = cached_attention(self.cache.get_value(), q, k, v, **options)
+    out, updated = cached_attention(self.cache.get_value(), q, k, v, k_scale=self.k_scale,
+                                    v_scale=self.v_scale, **options)
     self.cache.set_value(updated)
     return self.out(out)
 
