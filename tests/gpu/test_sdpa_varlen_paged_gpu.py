@@ -2,7 +2,11 @@
 on the triton engine (bf16 and FP8 caches), against the float64 oracle and the xla engine;
 outputs poisoned (CUDNN_JAX_POISON_OUTPUTS, conftest)."""
 
+import dataclasses
 import functools
+import os
+import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,7 @@ import numpy as np
 import pytest
 
 import cudnn_jax
+import gpu_sweep
 from sdpa_oracle import (oracle, paged_case, paged_oracle, rel_err_finite as rel_err,
                          varlen_case, varlen_oracle)
 
@@ -198,3 +203,163 @@ def test_paged_decode_replays_in_command_buffers(engine):
       text = graphed.lower(query, layers).compile().as_text()
       assert "command_buffer" in text, "no command buffer in the compiled decode step"
     assert rel_err(graphed(query, layers), reference(query, layers)) <= 2 * REL_TOL
+
+
+# The triton engine's random sweep (CUDNN_JAX_PAGED_SWEEP_N configurations, default 300;
+# CUDNN_JAX_SWEEP_SHARD="i/n" splits it over processes): batch 1..256, ragged cache lengths
+# up to 128k, pages of 16, 64 or 256 rows, head ratios 8/1, 32/8, 64/8, head dims 64, 128,
+# 256, T = 1..8, bf16 or FP8 caches, shuffled pages with NaN in every unused row, invalid
+# page ids among the used pages and past the lengths, lengths past the capacity. Against
+# the float64 math where it fits in host memory, else the xla engine on the GPU.
+
+PAGED_SWEEP_TOKENS = 1 << 19  # cached tokens of one configuration, at most
+PAGED_ORACLE_ELEMENTS = 1 << 22  # B*N*T*capacity up to which the float64 math is checked
+PAGED_XLA_ELEMENTS = 1 << 27  # ... and the xla engine's logits fit in memory
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPagedConfig:
+  b: int
+  t: int
+  n: int
+  k: int
+  h: int
+  page: int
+  max_pages: int
+  kv_lens: tuple  # as passed (clamped by the op)
+  q_lens: tuple | None
+  invalid: tuple  # (b, j) used positions holding an id outside [0, P)
+  fp8: bool
+  is_causal: bool
+  window: Any
+  soft_cap: float | None
+  sinks: bool
+
+  @property
+  def capacity(self):
+    return self.max_pages * self.page
+
+
+def random_triton_paged(rng) -> TritonPagedConfig:
+  n, k = [(8, 1), (32, 8), (64, 8)][rng.integers(3)]
+  h = int(rng.choice([64, 128, 256], p=[0.3, 0.5, 0.2]))
+  page = int(rng.choice([16, 64, 256]))
+  b = int(rng.choice([1, 2, 3, 8, 17, 64, 256], p=[0.15, 0.15, 0.1, 0.2, 0.15, 0.15, 0.1]))
+  longest = int(min(rng.choice([1000, 4096, 16384, 65536, 131072]), PAGED_SWEEP_TOKENS // b))
+  longest = max(longest, 1)
+  max_pages = -(-longest // page) + int(rng.integers(0, 2))
+  t = int(rng.choice([1, 1, 2, 3, 4, 8]))
+  kv_lens = [int(rng.choice([0, 1, rng.integers(1, longest + 1), longest, longest],
+                            p=[0.05, 0.05, 0.5, 0.2, 0.2])) for _ in range(b)]
+  if rng.random() < 0.1:
+    kv_lens[int(rng.integers(b))] = int(rng.choice([-3, max_pages * page + 77]))
+  q_lens = tuple(int(x) for x in rng.integers(0, t + 1, b)) if rng.random() < 0.3 else None
+  stored = np.clip(kv_lens, 0, max_pages * page)
+  used = [(i, j) for i in range(b) for j in range(-(-int(stored[i]) // page))]
+  invalid = ()
+  if used and rng.random() < 0.2:
+    picks = rng.choice(len(used), size=min(len(used), 3), replace=False)
+    invalid = tuple(used[p] for p in picks)
+  window = None
+  if rng.random() < 0.15:
+    window = (int(rng.integers(0, longest + 1)), 0)
+  return TritonPagedConfig(
+      b=b, t=t, n=n, k=k, h=h, page=page, max_pages=max_pages,
+      kv_lens=tuple(int(x) for x in kv_lens), q_lens=q_lens, invalid=invalid,
+      fp8=bool(rng.random() < 0.4), is_causal=bool(rng.random() < 0.9), window=window,
+      soft_cap=30.0 if rng.random() < 0.15 else None, sinks=bool(rng.random() < 0.2))
+
+
+def build_triton_paged(cfg: TritonPagedConfig, seed):
+  """(args, kwargs) of sdpa_paged: caches made on the device, NaN in every row that holds
+  no key; FP8 caches with their scales."""
+  rng = np.random.default_rng(seed)
+  stored = np.clip(np.asarray(cfg.kv_lens), 0, cfg.capacity)
+  used = -(-stored // cfg.page)
+  pages = int(used.sum()) + int(rng.integers(1, 4))
+  order = rng.permutation(pages)
+  table = rng.choice([-1, pages, 2 ** 31 - 1, 0], size=(cfg.b, cfg.max_pages)).astype(np.int64)
+  rows = np.zeros(pages, np.int64)  # rows of each physical page that hold keys
+  taken = 0
+  for i in range(cfg.b):
+    for j in range(int(used[i])):
+      table[i, j] = order[taken]
+      rows[order[taken]] = min(cfg.page, int(stored[i]) - j * cfg.page)
+      taken += 1
+  for i, j in cfg.invalid:
+    table[i, j] = rng.choice([-1, pages, pages + 999, 2 ** 31 - 1])
+  keys = jax.random.split(jax.random.key(seed), 4)
+  holds = jnp.arange(cfg.page)[None, :] < jnp.asarray(rows)[:, None]
+
+  def cache(key, scale):
+    x = jax.random.normal(key, (pages, cfg.page, cfg.k, cfg.h), jnp.float32)
+    x = jnp.where(holds[:, :, None, None], x, jnp.nan)
+    if not cfg.fp8:
+      return x.astype(jnp.bfloat16)
+    return jnp.clip(x / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)  # e4m3's finite range
+
+  k_scale, v_scale = (np.float32(0.02), np.float32(0.03)) if cfg.fp8 else (None, None)
+  query = jax.random.normal(keys[2], (cfg.b, cfg.t, cfg.n, cfg.h), jnp.bfloat16)
+  args = (query, cache(keys[0], k_scale or 1.0), cache(keys[1], v_scale or 1.0),
+          jnp.asarray(table.astype(np.int32)), jnp.asarray(cfg.kv_lens, jnp.int32))
+  kwargs = dict(is_causal=cfg.is_causal, local_window_size=cfg.window,
+                logits_soft_cap=cfg.soft_cap, return_lse=True,
+                query_seq_lengths=None if cfg.q_lens is None else np.asarray(cfg.q_lens,
+                                                                            np.int32))
+  if cfg.sinks:
+    kwargs["sinks"] = jax.random.normal(keys[3], (cfg.n,), jnp.float32)
+  if cfg.fp8:
+    kwargs.update(k_scale=k_scale, v_scale=v_scale)
+  return args, kwargs
+
+
+def compare_triton_paged(cfg: TritonPagedConfig, seed):
+  args, kwargs = build_triton_paged(cfg, seed)
+  run = lambda engine: jax.block_until_ready(jax.jit(functools.partial(
+      cudnn_jax.sdpa_paged, implementation=engine, **kwargs))(*args))
+  start = time.perf_counter()
+  out, lse = run("triton")
+  seconds = dict(triton=time.perf_counter() - start)
+  errors, problems = {}, []
+  elements = cfg.b * cfg.n * cfg.t * cfg.capacity
+  if elements <= PAGED_ORACLE_ELEMENTS:
+    caches = [np.asarray(c.astype(jnp.float32)) for c in args[1:3]]
+    if cfg.fp8:
+      caches = [caches[0] * kwargs["k_scale"], caches[1] * kwargs["v_scale"]]
+    oracle_kw = {x: y for x, y in kwargs.items()
+                 if x not in ("return_lse", "k_scale", "v_scale")}
+    if "sinks" in oracle_kw:
+      oracle_kw["sinks"] = np.asarray(oracle_kw["sinks"])
+    want = paged_oracle(np.asarray(args[0], np.float32), *caches, np.asarray(args[3]),
+                        np.asarray(args[4]), **oracle_kw)
+    reference = "float64"
+  elif elements <= PAGED_XLA_ELEMENTS:
+    want, reference = run("xla"), "xla"
+  else:
+    want, reference = None, "none (the xla engine's logits would not fit)"
+  seconds["reference"] = time.perf_counter() - start - seconds["triton"]
+  if not np.all(np.isfinite(np.asarray(out, np.float32))):
+    problems.append(("out", "out: NaN or inf (an unused row or an unwritten element read)"))
+  if want is not None:
+    errors["out"] = gpu_sweep.rel_err(out, want[0])
+    errors["lse"] = gpu_sweep.lse_err(lse, want[1])
+    for name, tol in (("out", REL_TOL), ("lse", 2e-2)):
+      if not errors[name] <= tol:
+        problems.append((name, f"{name} vs {reference}: {errors[name]:.3g} > {tol}"))
+  return errors, problems, dict(seconds, reference=reference)
+
+
+def test_random_sweep_paged_triton(capsys):
+  count = int(os.environ.get("CUDNN_JAX_PAGED_SWEEP_N", "300"))
+  rng = np.random.default_rng(20261207)
+  configs = gpu_sweep.shard([(random_triton_paged(rng), seed) for seed in range(count)])
+  cases = [(dict(config=dataclasses.asdict(cfg), seed=seed),
+            functools.partial(compare_triton_paged, cfg, seed)) for cfg, seed in configs]
+  records = gpu_sweep.run(cases, capsys)
+  failed = [r for r in records if r["status"] != "ok"]
+  with capsys.disabled():
+    print(f"\nsdpa_paged triton sweep: {len(records)} configurations, {len(failed)} not ok; "
+          "max errors: " + ", ".join(
+              f"{q} {max((r['errors'].get(q, 0) for r in records if 'errors' in r), default=0):.3g}"
+              for q in ("out", "lse")))
+  assert not failed, failed[:5]
