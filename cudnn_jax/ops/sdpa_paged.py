@@ -210,9 +210,11 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   ``jax.experimental.checkify.checkify`` (user checks) each such entry raises an error
   naming the argument and the entry (page ids only of pages below the length).
 
-  ``implementation`` as for ``sdpa``: "cudnn" reads the pages in place, "xla" gathers
-  them (``cudnn_jax.explain("sdpa_paged", ...)`` names the engine and path that would
-  serve a call).
+  ``implementation`` as for ``sdpa``: "cudnn" reads the pages in place for decode,
+  "triton" (opt-in) reads them in place split across programs for up to 128 query rows per
+  kv head (T * N/K), an FP8 cache converted in registers; "xla" gathers them
+  (``cudnn_jax.explain("sdpa_paged", ...)`` names the engine and path that would serve a
+  call). Decode is not differentiable on the "triton" engine.
   """
   call, inputs = _prepare(query, key_cache, value_cache, page_table, key_value_seq_lengths,
                           query_seq_lengths=query_seq_lengths, scale=scale,
