@@ -55,6 +55,23 @@ def test_multi_head_attention_matches_its_definition(with_segments):
   np.testing.assert_allclose(got, want, **TOL)
 
 
+def decode_in_steps(layer, x, *, prompt):
+  """The linen ``layer`` on ``x [B, T, F]``: ``(params, output over the whole x, the
+  jitted decode step, the outputs of a ``prompt``-token chunk then one token at a time
+  through the paged cache, the final cache)``."""
+  params = layer.init(jax.random.key(0), x)["params"]
+  full = layer.apply({"params": params}, x)
+  cache = layer.init(jax.random.key(0), x, decode=True)["cache"]
+  step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
+                                              decode=True, mutable=["cache"]))
+  outs = []
+  for lo, hi in [(0, prompt)] + [(t, t + 1) for t in range(prompt, x.shape[1])]:
+    y, variables = step(cache, x[:, lo:hi])
+    outs.append(y)
+    cache = variables["cache"]
+  return params, full, step, jnp.concatenate(outs, 1), cache
+
+
 @pytest.mark.parametrize("window", [None, (5, 0)])
 def test_multi_head_attention_decodes_from_a_paged_cache(window):
   """A chunk of the prompt, then one token at a time through the paged KV cache, equals
@@ -62,18 +79,9 @@ def test_multi_head_attention_decodes_from_a_paged_cache(window):
   x = normal(7, (2, 20, 16))
   layer = fm.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, is_causal=True,
                                 local_window_size=window, page_size=4)
-  params = layer.init(jax.random.key(0), x)["params"]
-  full = layer.apply({"params": params}, x)
-  cache = layer.init(jax.random.key(0), x, decode=True)["cache"]  # room for 20 tokens
-  assert cache["key_pages"].shape == (2 * 5, 4, 2, 8)
-  step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
-                                              decode=True, mutable=["cache"]))
-  outs = []
-  for lo, hi in [(0, 7)] + [(t, t + 1) for t in range(7, 20)]:
-    y, variables = step(cache, x[:, lo:hi])
-    outs.append(y)
-    cache = variables["cache"]
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+  params, full, step, out, cache = decode_in_steps(layer, x, prompt=7)
+  assert cache["key_pages"].shape == (2 * 5, 4, 2, 8)  # room for 20 tokens
+  np.testing.assert_allclose(out, full, **TOL)
   np.testing.assert_array_equal(cache["lengths"], [20, 20])
   with pytest.raises(ValueError, match="decode"):
     step(cache, x[:, :2, None])
@@ -94,18 +102,9 @@ def test_multi_head_attention_decodes_from_an_fp8_cache():
   layer = fm.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, is_causal=True,
                                 page_size=4, cache_dtype=jnp.float8_e4m3fn, k_scale=0.02,
                                 v_scale=0.05)
-  params = layer.init(jax.random.key(0), x)["params"]
-  full = layer.apply({"params": params}, x)
-  cache = layer.init(jax.random.key(0), x, decode=True)["cache"]
+  params, full, _, out, cache = decode_in_steps(layer, x, prompt=5)
   assert cache["key_pages"].dtype == jnp.float8_e4m3fn
-  step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
-                                              decode=True, mutable=["cache"]))
-  outs = []
-  for lo, hi in [(0, 5)] + [(t, t + 1) for t in range(5, 12)]:
-    y, variables = step(cache, x[:, lo:hi])
-    outs.append(y)
-    cache = variables["cache"]
-  assert fp8_rel_err(jnp.concatenate(outs, 1), full) <= FP8_TOL
+  assert fp8_rel_err(out, full) <= FP8_TOL
   # The first token's key, stored at logical page 0 of sequence 0, is k / k_scale.
   k = nn.DenseGeneral((2, 8)).apply({"params": params["key"]}, x[:1, :1])
   stored = np.asarray(cache["key_pages"][cache["page_table"][0, 0], 0], np.float32)

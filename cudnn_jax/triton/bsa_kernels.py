@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cudnn_jax.triton.common import LN2, LOG2E, dot as _dot, launch
+from cudnn_jax.triton.common import (LN2, LOG2E, dot as _dot, launch, softmax_init,
+                                     softmax_step)
 
 
 def _params(bs, dtype):
@@ -95,21 +96,14 @@ def _forward_kernel(blocks_ref, counts_ref, sizes_ref, q_ref, k_ref, v_ref, o_re
   t = _rows(m, bs)
 
   def step(j, carry):
-    acc, mx, l = carry
     c = blocks_ref[b, n, m, j]
     k, v = _block(k_ref, b, c, n // group, bs), _block(v_ref, b, c, n // group, bs)
     keep = _kept(t, c, sizes_ref[b, n // group, c], bs=bs, causal=causal, sq=sq)
-    s2 = jnp.where(keep, (scale * LOG2E) * _dot(q, k, tb=True), -jnp.inf)
-    mx_new = jnp.maximum(mx, jnp.max(s2, axis=1))
-    base = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)  # rows with no kept key so far
-    p = jnp.exp2(s2 - base[:, None])
-    alpha = jnp.exp2(mx - base)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return acc, mx_new, l * alpha + jnp.sum(p, axis=1)
+    return softmax_step(carry, jnp.where(keep, (scale * LOG2E) * _dot(q, k, tb=True),
+                                         -jnp.inf), v)
 
-  init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((bs,), -jnp.inf, jnp.float32),
-          jnp.zeros((bs,), jnp.float32))
-  acc, mx, l = jax.lax.fori_loop(0, counts_ref[b, n, m], step, init)
+  acc, mx, l = jax.lax.fori_loop(0, counts_ref[b, n, m], step,
+                                 softmax_init(bs, o_ref.shape[1]))
   kept = l > 0
   o_ref[...] = (acc / jnp.where(kept, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(kept, LN2 * (mx + jnp.log2(jnp.where(kept, l, 1.0))), -jnp.inf)

@@ -47,3 +47,23 @@ def dot(a, b, *, ta=False, tb=False):
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
   return jax.lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype),
                              preferred_element_type=jnp.float32)
+
+
+def softmax_init(rows, dv):
+  """The running ``(acc [rows, dv], mx [rows], l [rows])`` before any key: 0, -inf, 0."""
+  return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_step(carry, s2, v):
+  """One block of keys into the running base-2 softmax: ``s2 [rows, keys]`` the logits
+  times log2(e) (-inf where not kept), ``v [keys, dv]``; returns the new ``(acc, mx, l)``:
+  ``mx' = max(mx, rowmax s2)``, ``l' = l 2^{mx - mx'} + rowsum 2^{s2 - mx'}``,
+  ``acc' = acc 2^{mx - mx'} + 2^{s2 - mx'} v``."""
+  acc, mx, l = carry
+  mx_new = jnp.maximum(mx, jnp.max(s2, axis=1))
+  base = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)  # rows with no kept key so far
+  p = jnp.exp2(s2 - base[:, None])
+  alpha = jnp.exp2(mx - base)
+  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+  return acc, mx_new, l * alpha + jnp.sum(p, axis=1)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cudnn_jax.triton.common import LN2, LOG2E, dot, launch
+from cudnn_jax.triton.common import LN2, LOG2E, dot, launch, softmax_init, softmax_step
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_ROWS = 128  # T*G query rows of one kv head that one program carries
@@ -113,7 +113,6 @@ def _kernel(lengths_ref, table_ref, scales_ref, q_ref, k_ref, v_ref, acc_ref, mx
   max_pages = table_ref.shape[1]
 
   def step(i, carry):
-    acc, mx, l = carry
     u = start + i * st.kb + jax.lax.broadcasted_iota(jnp.int32, (st.kb,), 0)
     ids = table_ref[b, jnp.minimum(u // st.page, max_pages - 1)]
     live = (u < end) & (ids >= 0) & (ids < st.pages)
@@ -125,18 +124,10 @@ def _kernel(lengths_ref, table_ref, scales_ref, q_ref, k_ref, v_ref, acc_ref, mx
       s = st.soft_cap * jnp.tanh(s / st.soft_cap)
     u = u[None, :]
     keep = live[None, :] & (u >= lo) & (u <= hi)
-    s2 = jnp.where(keep, LOG2E * s, -jnp.inf)
-    mx_new = jnp.maximum(mx, jnp.max(s2, axis=1))
-    base = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)  # rows with no kept key so far
-    p = jnp.exp2(s2 - base[:, None])
-    alpha = jnp.exp2(mx - base)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-    return acc, mx_new, l * alpha + jnp.sum(p, axis=1)
+    return softmax_step(carry, jnp.where(keep, LOG2E * s, -jnp.inf), v)
 
-  init = (jnp.zeros(acc_ref.shape, jnp.float32), jnp.full((r,), -jnp.inf, jnp.float32),
-          jnp.zeros((r,), jnp.float32))
   steps = jnp.maximum(end - start + st.kb - 1, 0) // st.kb
-  acc, mx, l = jax.lax.fori_loop(0, steps, step, init)
+  acc, mx, l = jax.lax.fori_loop(0, steps, step, softmax_init(r, acc_ref.shape[1]))
   acc_ref[...] = acc
   mx_ref[...] = mx
   l_ref[...] = l
