@@ -95,6 +95,18 @@ def test_keys_split_across_programs():
   check((query, kc, vc, table, lens), local_window_size=(900, None))
 
 
+@pytest.mark.parametrize("name", ["plain", "window", "window_both_sides"])
+def test_prefill_chunks_over_blocks_of_rows(name):
+  """Chunks of 70 query rows (140 rows a kv head: two programs' blocks) against caches
+  longer and shorter than the chunk, with query lengths; each block skips the keys none of
+  its rows sees."""
+  rng = np.random.default_rng(19)
+  query, kc, vc, table, lens = case(rng, [300, 70, 90, 5], t=70, n=4, k=2, page=16)
+  assert kernel.rows(70, 2) == (256, 128)
+  check((query, kc, vc, table, lens), query_seq_lengths=np.array([70, 70, 33, 2], np.int32),
+        **OPTIONS[name])
+
+
 def test_fp8_caches_match_the_dequantized_oracle():
   """FP8 key and value caches (and an FP8 value cache beside a float32 key cache), read as
   stored and scaled inside: the oracle on ``stored * scale``."""
@@ -144,13 +156,12 @@ def test_verdicts():
   query, kc, vc, table, lens = case(np.random.default_rng(16), [9, 3])
   text = cudnn_jax.explain("sdpa_paged", query, kc, vc, table, lens, implementation="triton")
   assert "'triton' serves" in text, text
-  long_query = np.zeros((2, 70, 4, 32), np.float32)  # 70 rows x 2 query heads a kv head
-  with pytest.raises(cudnn_jax.UnsupportedError, match="query rows per kv head"):
-    cudnn_jax.sdpa_paged(long_query, kc, vc, table, lens, implementation="triton")
   odd = case(np.random.default_rng(17), [9, 3], h=24)
   with pytest.raises(cudnn_jax.UnsupportedError, match="head dims"):
     cudnn_jax.sdpa_paged(*odd, implementation="triton")
-  assert kernel.rows(1, 4) == 16 and kernel.rows(3, 8) == 32 and kernel.rows(16, 8) == 128
+  assert kernel.rows(1, 4) == (16, 16) and kernel.rows(3, 8) == (32, 32)
+  assert kernel.rows(16, 8) == (128, 128) and kernel.rows(70, 2) == (256, 128)
+  assert kernel.rows(40, 4, h=256) == (192, 64)
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
@@ -174,7 +185,8 @@ def test_lowers_to_triton_for_sm90():
   option, one Triton call."""
   s = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   with sm90_export() as export:
-    for cache_dtype, t, hd in ((jnp.bfloat16, 1, 128), (E4M3, 4, 64), (jnp.bfloat16, 2, 256)):
+    for cache_dtype, t, hd in ((jnp.bfloat16, 1, 128), (E4M3, 4, 64), (jnp.bfloat16, 2, 256),
+                               (jnp.bfloat16, 64, 128)):
       fn = functools.partial(kernel.sdpa_paged, scale=0.1, causal=True, window=(100, 0),
                              soft_cap=30.0)
       text = export(jax.jit(fn))(

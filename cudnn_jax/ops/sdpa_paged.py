@@ -5,10 +5,10 @@ Engines:
   one query row per sequence; more rows take the gathered call below). Page ids
   are not trusted: a call whose used pages include an id outside ``[0, P)`` runs the
   gathered call below instead (a branch on the device), which masks them.
-- "triton": our split-KV decode kernel (cudnn_jax/triton/sdpa_paged.py), a few query rows
-  per sequence (decode, speculative decoding: T*G <= 128 rows per kv head): each kv head's
-  pages read in place once for its query group, long caches split across programs, an FP8
-  cache converted in registers; every option of the op.
+- "triton": our split-KV kernel (cudnn_jax/triton/sdpa_paged.py) for any number of query
+  rows per sequence (decode, speculative decoding, chunked prefill; up to 128 rows a kv
+  head a program): each kv head's pages read in place once for its query group, long caches
+  split across programs, an FP8 cache converted in registers; every option of the op.
 - "xla": each sequence's pages gathered into contiguous keys and values (positions of
   invalid ids masked), run as one ``sdpa`` call with the sequences' lengths and
   bottom-right causal alignment. The gather reads every page once more than a kernel
@@ -211,8 +211,9 @@ def sdpa_paged(query, key_cache, value_cache, page_table, key_value_seq_lengths,
   naming the argument and the entry (page ids only of pages below the length).
 
   ``implementation`` as for ``sdpa``: "cudnn" reads the pages in place for decode,
-  "triton" (opt-in) reads them in place split across programs for up to 128 query rows per
-  kv head (T * N/K), an FP8 cache converted in registers; "xla" gathers them
+  "triton" (opt-in) reads them in place split across programs for any number of query
+  rows (decode, speculative decoding, chunked prefill), an FP8 cache converted in
+  registers; "xla" gathers them
   (``cudnn_jax.explain("sdpa_paged", ...)`` names the engine and path that would serve a
   call). Decode is not differentiable on the "triton" engine.
   """

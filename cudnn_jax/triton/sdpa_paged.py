@@ -1,13 +1,14 @@
-"""Attention of a few query rows per sequence over a paged KV cache (decode, speculative
-decoding), as one Pallas kernel compiled by XLA through Triton that reads the pages in
+"""Attention of query rows over a paged KV cache (decode, speculative decoding, chunked
+prefill), as one Pallas kernel compiled by XLA through Triton that reads the pages in
 place, split along the keys (split-KV), then merged in XLA.
 
 Shapes: ``q [B,K,R,H]``: kv head kh's query rows, row r = t*G + g being query token t of
 query head kh*G + g (R = T*G padded to a power of two >= 16, the smallest tile a tensor
-core product takes); ``key_cache [P*page,K,H]`` and ``value_cache [P*page,K,Hv]``: the
+core product takes, or to whole blocks of ``BLOCK_ROWS`` when longer); ``key_cache [P*page,K,H]`` and ``value_cache [P*page,K,Hv]``: the
 caches' rows, page p's row i at ``p*page + i``; ``page_table [B,max_pages]``.
 
-One program per (sequence b, kv head kh, split s) walks the key positions u of split s,
+One program per (sequence b, kv head kh, block of rows, split s) walks the key positions u
+of split s (those the block's rows can see, under a causal mask or a window),
 ``KB`` at a time: each position's page id is read from the table and its key and value rows
 gathered from the caches, so a kv head's pages are read once for its whole query group, and
 long caches are spread over many programs when ``B*K`` alone would leave SMs idle. A
@@ -36,14 +37,21 @@ from jax.experimental.pallas import triton as pl_triton
 from cudnn_jax.triton.common import LN2, LOG2E, dot, launch, softmax_init, softmax_step
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
-MAX_ROWS = 128  # T*G query rows of one kv head that one program carries
+BLOCK_ROWS = 128  # query rows one program carries at most (64 for head dims of 256)
 MIN_SPLIT = 256  # key positions a split walks at least
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def rows(t, group) -> int:
-  """R: a program's query rows, ``t * group`` rounded up to a power of two >= 16."""
-  return max(16, 1 << (t * group - 1).bit_length())
+def block_rows(h) -> int:
+  return BLOCK_ROWS if h <= 128 else BLOCK_ROWS // 2
+
+
+def rows(t, group, h=128) -> tuple[int, int]:
+  """(R, rows a program carries): ``t * group`` rounded up to a power of two >= 16, or
+  to whole blocks when longer than one."""
+  block = block_rows(h)
+  r = max(16, 1 << (t * group - 1).bit_length())
+  return (r, r) if r <= block else (-(-t * group // block) * block, block)
 
 
 def supports(t, group, h, hv, dtype) -> str | None:
@@ -52,9 +60,6 @@ def supports(t, group, h, hv, dtype) -> str | None:
     return f"head dims H={h}, Hv={hv}: the kernel takes {HEAD_DIMS}"
   if dtype not in DTYPES:
     return f"query dtype {dtype}: the kernel takes {', '.join(DTYPES)}"
-  if t * group > MAX_ROWS:
-    return (f"T*G = {t}*{group} query rows per kv head: the kernel carries at most "
-            f"{MAX_ROWS} (longer chunks read the cache as prefill does)")
   return None
 
 
@@ -89,26 +94,28 @@ def splits_for(b, kv_heads, capacity, cores) -> tuple[int, int]:
 
 def _kernel(lengths_ref, table_ref, scales_ref, q_ref, k_ref, v_ref, acc_ref, mx_ref, l_ref,
             *, st: Static):
-  b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, kh, block, split = (pl.program_id(i) for i in range(4))
   kv_len, q_len = lengths_ref[0, b], lengths_ref[1, b]
   q = q_ref[...]
   r = q.shape[0]
-  row = jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
+  row = block * r + jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
   diag = row // st.group + (kv_len - q_len)  # the key aligned with each row (bottom-right)
+  first, last = ((block * r + i) // st.group + (kv_len - q_len) for i in (0, r - 1))
+  # Each row's keys [lo, hi], and the keys [start, end) some row of the block sees in this
+  # split.
   hi = jnp.full((r, 1), kv_len - 1, jnp.int32)
   lo = jnp.zeros((r, 1), jnp.int32)
-  if st.causal:
-    hi = jnp.minimum(hi, diag)
-  if st.window is not None:
-    left, right = st.window
-    lo = lo if left is None else jnp.maximum(lo, diag - left)
-    hi = hi if right is None else jnp.minimum(hi, diag + right)
-  hi = jnp.where(row < st.group * jnp.minimum(q_len, st.t), hi, -1)  # padding, rows >= q_len
-
   start = split * st.chunk
   end = jnp.minimum(start + st.chunk, kv_len)
-  if st.window is not None and st.window[0] is not None:
-    start = jnp.maximum(start, kv_len - q_len - st.window[0])  # before every row's window
+  if st.causal:
+    hi, end = jnp.minimum(hi, diag), jnp.minimum(end, last + 1)
+  if st.window is not None:
+    left, right = st.window
+    if left is not None:
+      lo, start = jnp.maximum(lo, diag - left), jnp.maximum(start, first - left)
+    if right is not None:
+      hi, end = jnp.minimum(hi, diag + right), jnp.minimum(end, last + right + 1)
+  hi = jnp.where(row < st.group * jnp.minimum(q_len, st.t), hi, -1)  # padding, rows >= q_len
   logit_scale = st.scale * scales_ref[0]
   max_pages = table_ref.shape[1]
 
@@ -134,36 +141,36 @@ def _kernel(lengths_ref, table_ref, scales_ref, q_ref, k_ref, v_ref, acc_ref, mx
 
 
 def _params(r, h, hv, cache_bytes):
-  # Four warps carry up to 32 rows; more rows take eight (the accumulator stays in registers).
+  # Four warps carry up to 32 rows; more take eight (the accumulator stays in registers).
   # Three stages keep two blocks of keys and values in flight behind the one in use.
   stage = 64 * (h + hv) * cache_bytes
   return pl_triton.CompilerParams(num_warps=4 if r <= 32 else 8,
                                   num_stages=3 if 3 * stage <= 160 * 1024 else 2)
 
 
-@functools.partial(jax.jit, static_argnames=("st",))
-def partials(q, key_cache, value_cache, page_table, lengths, scales, *, st: Static):
+@functools.partial(jax.jit, static_argnames=("st", "block"))
+def partials(q, key_cache, value_cache, page_table, lengths, scales, *, st: Static, block):
   """The splits' ``(acc [B,K,S,R,Hv], mx [B,K,S,R], l [B,K,S,R])`` float32, mx and l in
-  base 2. ``lengths [2,B]``: kv lengths (clamped to the capacity), query lengths (clamped
-  to T); ``scales [1]``: k_scale (1 for other caches)."""
+  base 2, ``block`` rows a program. ``lengths [2,B]``: kv lengths (clamped to the
+  capacity), query lengths (clamped to T); ``scales [1]``: k_scale (1 for other caches)."""
   b, kv_heads, r, h = q.shape
   hv = value_cache.shape[-1]
   whole = pl.no_block_spec
-  per_split = lambda *tail: pl.BlockSpec((None, None, None) + tail,
-                                         lambda b_, k_, s_: (b_, k_, s_) + (0,) * len(tail))
+  per_split = lambda *tail: pl.BlockSpec(
+      (None, None, None, block) + tail, lambda b_, k_, r_, s_: (b_, k_, s_, r_) + (0,) * len(tail))
   cache_bytes = max(key_cache.dtype.itemsize, value_cache.dtype.itemsize)
   return launch(
       functools.partial(_kernel, st=st),
       (lengths, page_table, scales, q, key_cache, value_cache),
-      grid=(b, kv_heads, st.splits),
+      grid=(b, kv_heads, r // block, st.splits),
       in_specs=[whole, whole, whole,
-                pl.BlockSpec((None, None, r, h), lambda b_, k_, s_: (b_, k_, 0, 0)),
+                pl.BlockSpec((None, None, block, h), lambda b_, k_, r_, s_: (b_, k_, r_, 0)),
                 whole, whole],
-      out_specs=[per_split(r, hv), per_split(r), per_split(r)],
+      out_specs=[per_split(hv), per_split(), per_split()],
       out_shape=[jax.ShapeDtypeStruct((b, kv_heads, st.splits, r, hv), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, st.splits, r), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, st.splits, r), jnp.float32)],
-      compiler_params=_params(r, h, hv, cache_bytes), interpret=st.interpret,
+      compiler_params=_params(block, h, hv, cache_bytes), interpret=st.interpret,
       name="sdpa_paged_decode")
 
 
@@ -200,7 +207,7 @@ def sdpa_paged(query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
   pages, page, kv_heads = key_cache.shape[:3]
   hv = value_cache.shape[3]
   group = n // kv_heads
-  r = rows(t, group)
+  r, block = rows(t, group, max(h, hv))
   capacity = page_table.shape[1] * page
   if q_lengths is None:
     q_lengths = jnp.full((b,), t, jnp.int32)
@@ -209,7 +216,7 @@ def sdpa_paged(query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
     if sinks is not None:
       lse = jnp.where(jnp.arange(t) < q_lengths[:, None, None], sinks[None, :, None], lse)
     return jnp.zeros((b, t, n, hv), query.dtype), lse
-  splits, chunk = splits_for(b, kv_heads, capacity, cores)
+  splits, chunk = splits_for(b * (r // block), kv_heads, capacity, cores)
   st = Static(t=t, group=group, pages=pages, page=page, scale=float(scale),
               causal=bool(causal), window=window, soft_cap=soft_cap, splits=splits,
               chunk=chunk, interpret=interpret)
@@ -222,7 +229,7 @@ def sdpa_paged(query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
   lengths = jnp.stack([kv_lengths, q_lengths]).astype(jnp.int32)
   acc, mx, l = partials(q, key_cache.reshape(pages * page, kv_heads, h),
                         value_cache.reshape(pages * page, kv_heads, hv),
-                        page_table.astype(jnp.int32), lengths, scales, st=st)
+                        page_table.astype(jnp.int32), lengths, scales, st=st, block=block)
 
   row = jnp.arange(r)
   sinks2 = None

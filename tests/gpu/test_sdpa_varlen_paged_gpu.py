@@ -109,7 +109,7 @@ def test_paged_cudnn_matches_oracle(t):
   assert rel_err(out, ref) <= REL_TOL
 
 
-# The triton engine: our split-KV decode kernel reading pages in place.
+# The triton engine: our split-KV kernel reading pages in place (decode, chunks).
 
 TRITON_CASES = {  # (t, n, k, h, page, options)
     "decode": (1, 32, 8, 128, 64, {}),
@@ -118,6 +118,7 @@ TRITON_CASES = {  # (t, n, k, h, page, options)
     "d256_sinks_softcap": (1, 8, 1, 256, 16, dict(
         logits_soft_cap=30.0, sinks=np.linspace(-1.0, 2.0, 8).astype(np.float32))),
     "window_lse": (2, 16, 4, 128, 64, dict(local_window_size=(300, 0), return_lse=True)),
+    "chunk_t128": (128, 32, 8, 128, 64, {}),  # 512 rows a kv head: four blocks of rows
 }
 
 
@@ -248,7 +249,7 @@ def random_triton_paged(rng) -> TritonPagedConfig:
   longest = int(min(rng.choice([1000, 4096, 16384, 65536, 131072]), PAGED_SWEEP_TOKENS // b))
   longest = max(longest, 1)
   max_pages = -(-longest // page) + int(rng.integers(0, 2))
-  t = int(rng.choice([1, 1, 2, 3, 4, 8]))
+  t = int(rng.choice([1, 1, 2, 3, 4, 8, 16, 48]))
   kv_lens = [int(rng.choice([0, 1, rng.integers(1, longest + 1), longest, longest],
                             p=[0.05, 0.05, 0.5, 0.2, 0.2])) for _ in range(b)]
   if rng.random() < 0.1:
