@@ -52,6 +52,19 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Each test module's compiled programs are dropped after it. XLA's CPU compiler maps
+  memory for every program it loads; kept for the whole suite in one process they pass
+  Linux's limit on mappings per process (vm.max_map_count, 65530), and a compile then
+  crashes."""
+  yield
+  import gc  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture
 def emulated(monkeypatch):
   """``force(op, name)``: engine ``name`` serves ``op`` from then on, its support check
