@@ -27,7 +27,8 @@ default cudnn and triton, the others with implementation="cudnn"):
     block, k_splits the largest divisor <= 16 of the pages per sequence); and the
     baseline, jax.nn.dot_product_attention on the same keys and values stored
     contiguously [B,S,K,H] with key_value_seq_lengths.
-  multi-token decode (speculative decoding / MTP), T=4, and chunked prefill, T=128:
+  multi-token decode (speculative decoding / MTP), T=2, 4, 8, and chunked prefill,
+  T=16, 128, 512:
     cudnn_jax.sdpa_paged (bottom-right causal, query_seq_lengths all T) against the
     baseline cudnn_jax.sdpa on the contiguous keys and values with query_seq_lengths,
     key_value_seq_lengths, is_causal=True, causal_alignment="bottom_right".
@@ -37,9 +38,9 @@ elements, and also give "gbps_bf16eq": the bfloat16 cache's bytes over the same 
 TFLOP/s as well, 4*B*N*d*(T*(S-T) + T*(T+1)/2) (shown for chunked prefill).
 Targets, per group and sdpa_paged engine: decode >= 0.95x jax.nn's GB/s on the contiguous cache and >= 85% of
 the card's datasheet HBM bandwidth (H100 3350 GB/s, H200 4800 GB/s; another card is
-"unknown card", not judged); FP8-cache decode time <= 0.6x the bfloat16 cache's; T=4
-GB/s >= 0.9x the T=1 GB/s (the same cache bytes); chunked prefill >= 0.95x the speed of
-cudnn_jax.sdpa on the contiguous cache.
+"unknown card", not judged); FP8-cache decode time <= 0.6x the bfloat16 cache's; GB/s at
+T=2, 4, 8 >= 0.9x the T=1 GB/s (the same cache bytes); chunked prefill at each T >= 0.95x
+the speed of cudnn_jax.sdpa on the contiguous cache.
 
 Two times per row: "ms", the median wall time of --calls single jitted calls, each
 waited for; "b2b", per call of --calls calls issued back to back (device throughput,
@@ -53,7 +54,7 @@ engines stand in for cuDNN, float32 for bfloat16, and the Pallas kernel runs wit
 interpret=True (off the GPU it is skipped for the full shapes, with the reason recorded).
 Writes DIR/sdpa_features.json and DIR/sdpa_features.png (DIR defaults to bench/results):
 the varlen panel, then the paged ones, grouped bars per row group and engine: GB/s back to
-back at T=1 and T=4 (with 85% of the card's HBM bandwidth where the card is known), and
+back at T=1, 2, 4, 8 (with 85% of the card's HBM bandwidth where the card is known), and
 TFLOP/s back to back in chunked prefill.
 """
 
@@ -80,10 +81,10 @@ VARLEN_SPEEDUP_TARGET = 1.5  # packed / padded, forward and forward+backward
 PAGED_VS_JAX_NN_TARGET = 0.95  # decode GB/s / jax.nn's on the contiguous cache, at least
 PAGED_HBM_TARGET = 0.85  # decode GB/s / the card's datasheet HBM GB/s, at least
 PAGED_FP8_TIME_TARGET = 0.6  # FP8-cache decode time / the bf16 cache's, at most
-PAGED_MTP_RATE_TARGET = 0.9  # T=MTP_T GB/s / T=DECODE_T GB/s, at least
+PAGED_MTP_RATE_TARGET = 0.9  # GB/s at each of MTP_TS / T=DECODE_T GB/s, at least
 PAGED_PREFILL_TARGET = 0.95  # chunked prefill speed / cudnn_jax.sdpa's contiguous, at least
 HBM_GBPS = (("H200", 4800.0), ("H100", 3350.0))  # datasheet, by device_kind substring
-DECODE_T, MTP_T, PREFILL_T = 1, 4, 128  # query rows per sequence
+DECODE_T, MTP_TS, PREFILL_TS = 1, (2, 4, 8), (16, 128, 512)  # query rows per sequence
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 PAGED_ENGINES = {True: ("cudnn", "triton"), False: ("xla",)}  # by "on a GPU"
 PALLAS_BLOCK_KEYS = 128  # keys per compute block of the Pallas kernel
@@ -401,7 +402,7 @@ def run_paged_shape(shape, engine, paged_engines, dtype, calls, interpret, palla
   print(f"paged {shape.title}, d={shape.h}: {shape.b * shape.pages_per_seq} pages shuffled; "
         f"FP8 scales k {float(scales[0]):.3g}, v {float(scales[1]):.3g}")
   rows = []
-  for t in (DECODE_T, MTP_T, PREFILL_T):
+  for t in (t for t in (DECODE_T, *MTP_TS, *PREFILL_TS) if t <= shape.s):
     q = jax.random.normal(jax.random.fold_in(jax.random.key(2), t),
                           (shape.b, t, shape.n, shape.h), dtype)
     entries = [paged_entry(e, q, caches, table, lens, dtype) for e in paged_engines]
@@ -425,7 +426,7 @@ def run_paged(paged_shapes, paged_engines, quick, engine, dtype, calls):
     shape_rows, fp8_scales[shape.name] = run_paged_shape(shape, engine, paged_engines, dtype,
                                                          calls, interpret, skip)
     rows.extend(shape_rows)
-  return rows, dict(fp8_scales=fp8_scales, query_rows=[DECODE_T, MTP_T, PREFILL_T],
+  return rows, dict(fp8_scales=fp8_scales, query_rows=[DECODE_T, *MTP_TS, *PREFILL_TS],
                     pallas_interpret=interpret, engines=list(paged_engines))
 
 
@@ -489,12 +490,14 @@ def paged_targets(rows):
               100 * PAGED_HBM_TARGET, "%"),
         judge(f"{what} FP8-cache decode time vs the {paged[0]['dtype']} cache's",
               ratio(get(DECODE_T, "paged_fp8"), decode, "ms_b2b"), PAGED_FP8_TIME_TARGET, "x",
-              at_most=True),
-        judge(f"{what} T={MTP_T} GB/s of the cache vs T={DECODE_T}'s",
-              ratio(get(MTP_T, "paged"), decode, "gbps_b2b"), PAGED_MTP_RATE_TARGET, "x"),
-        judge(f"{what} chunked prefill T={PREFILL_T} speed vs cudnn_jax.sdpa contiguous",
-              ratio(get(PREFILL_T, "sdpa"), get(PREFILL_T, "paged"), "ms_b2b"),
-              PAGED_PREFILL_TARGET, "x")]
+              at_most=True)]
+    lines += [judge(f"{what} T={t} GB/s of the cache vs T={DECODE_T}'s",
+                    ratio(get(t, "paged"), decode, "gbps_b2b"), PAGED_MTP_RATE_TARGET, "x")
+              for t in MTP_TS]
+    lines += [judge(f"{what} chunked prefill T={t} speed vs cudnn_jax.sdpa contiguous",
+                    ratio(get(t, "sdpa"), get(t, "paged"), "ms_b2b"), PAGED_PREFILL_TARGET,
+                    "x")
+              for t in PREFILL_TS]
   return lines
 
 
@@ -525,7 +528,7 @@ def print_row(r):
   def f(key, fmt):
     return format(r[key], fmt) if r.get(key) is not None else "-"
   paged = r["case"] == "paged"
-  rate = "tflops" if r["case"] == "varlen" or (paged and r["t"] == PREFILL_T) else "gbps"
+  rate = "tflops" if r["case"] == "varlen" or (paged and r["t"] in PREFILL_TS) else "gbps"
   unit = "TFLOP/s" if rate == "tflops" else "GB/s"
   case = f"{r['case']} {r['shape']}" if paged else r["case"]
   what = f"T={r['t']}" if paged else ("fwd+bwd" if r["backward"] else "fwd")
@@ -582,13 +585,13 @@ def plot_paged(ax, mine, metric, line=None):
 def plot(rows, path, with_target):
   """The varlen panel (TFLOP/s back to back per engine, the packed call's speed-up above
   its bars); the paged panels, per row group and engine: GB/s of the cache back to back at
-  T=1 and T=4 (with PAGED_HBM_TARGET of the card's HBM bandwidth), TFLOP/s back to back in
+  DECODE_T and MTP_TS (with PAGED_HBM_TARGET of the card's HBM bandwidth), TFLOP/s back to back in
   chunked prefill."""
   plt = pyplot()
   varlen = [r for r in rows if r["case"] == "varlen"]
   paged = [r for r in rows if r["case"] == "paged"]
-  decode = [r for r in paged if r["t"] != PREFILL_T]
-  prefill = [r for r in paged if r["t"] == PREFILL_T]
+  decode = [r for r in paged if r["t"] not in PREFILL_TS]
+  prefill = [r for r in paged if r["t"] in PREFILL_TS]
   panels = [p for p, mine in (("varlen", varlen), ("decode", decode), ("prefill", prefill))
             if mine]
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
@@ -601,11 +604,11 @@ def plot(rows, path, with_target):
                f"({PAGED_HBM_TARGET * peak:.0f} GB/s)") if with_target and peak else None)
       plot_paged(ax, decode, "gbps_b2b", line)
       ax.set_ylabel("GB/s of the cache read (back to back)")
-      ax.set_title(f"paged decode, T={DECODE_T} and T={MTP_T}")
+      ax.set_title(f"paged decode, T={DECODE_T}, " + ", ".join(map(str, MTP_TS)))
     else:
       plot_paged(ax, prefill, "tflops_b2b")
       ax.set_ylabel("TFLOP/s (back to back)")
-      ax.set_title(f"paged chunked prefill, T={PREFILL_T}")
+      ax.set_title("paged chunked prefill, T=" + ", ".join(map(str, PREFILL_TS)))
     ax.legend(fontsize=7)
   fig.suptitle(f"{rows[0]['dtype']}, {jax.devices()[0].device_kind}", fontsize=9)
   save_figure(fig, path)
