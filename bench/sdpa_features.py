@@ -36,8 +36,8 @@ Every layout, copy and quantization is made once, outside the timing. Rates: GB/
 cache read, 2*B*S*K*H*itemsize bytes (2 for bfloat16; FP8 rows count their 1-byte
 elements, and also give "gbps_bf16eq": the bfloat16 cache's bytes over the same time);
 TFLOP/s as well, 4*B*N*d*(T*(S-T) + T*(T+1)/2) (shown for chunked prefill).
-Targets, per group and sdpa_paged engine: decode >= 0.95x jax.nn's GB/s on the contiguous cache and >= 85% of
-the card's datasheet HBM bandwidth (H100 3350 GB/s, H200 4800 GB/s; another card is
+Targets, per group and sdpa_paged engine: decode >= 0.95x jax.nn's GB/s on the contiguous
+cache and >= 85% of the card's datasheet HBM bandwidth (H100 3350 GB/s, H200 4800 GB/s; another card is
 "unknown card", not judged); FP8-cache decode time <= 0.6x the bfloat16 cache's; GB/s at
 T=2, 4, 8 >= 0.9x the T=1 GB/s (the same cache bytes); chunked prefill at each T >= 0.95x
 the speed of cudnn_jax.sdpa on the contiguous cache.

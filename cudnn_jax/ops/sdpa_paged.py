@@ -6,8 +6,8 @@ Engines:
   are not trusted: a call whose used pages include an id outside ``[0, P)`` runs the
   gathered call below instead (a branch on the device), which masks them.
 - "triton": our split-KV kernel (cudnn_jax/triton/sdpa_paged.py) for any number of query
-  rows per sequence (decode, speculative decoding, chunked prefill; up to 128 rows a kv
-  head a program): each kv head's pages read in place once for its query group, long caches
+  rows per sequence (decode, speculative decoding, chunked prefill; a program takes up to
+  128 rows of one kv head): each kv head's pages read in place once for its query group, long caches
   split across programs, an FP8 cache converted in registers; every option of the op.
 - "xla": each sequence's pages gathered into contiguous keys and values (positions of
   invalid ids masked), run as one ``sdpa`` call with the sequences' lengths and
@@ -332,7 +332,7 @@ def _supports_triton(call: PagedCall, interpret=False) -> str | None:
     return f"default backend is {backend!r}, not 'gpu'"
   from cudnn_jax.triton import sdpa_paged as kernel  # pylint: disable=g-import-not-at-top
   c = call.gathered
-  return kernel.supports(c.t, c.n // c.k, c.h, c.hv, c.dtype)
+  return kernel.supports(c.h, c.hv, c.dtype)
 
 
 def _on_shard_triton(config, query, key_cache, value_cache, page_table, kv_lengths,

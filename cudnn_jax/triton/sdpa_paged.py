@@ -4,8 +4,9 @@ place, split along the keys (split-KV), then merged in XLA.
 
 Shapes: ``q [B,K,R,H]``: kv head kh's query rows, row r = t*G + g being query token t of
 query head kh*G + g (R = T*G padded to a power of two >= 16, the smallest tile a tensor
-core product takes, or to whole blocks of ``BLOCK_ROWS`` when longer); ``key_cache [P*page,K,H]`` and ``value_cache [P*page,K,Hv]``: the
-caches' rows, page p's row i at ``p*page + i``; ``page_table [B,max_pages]``.
+core product takes, or to whole blocks of ``BLOCK_ROWS`` when longer); ``key_cache
+[P*page,K,H]`` and ``value_cache [P*page,K,Hv]``: the caches' rows, page p's row i at
+``p*page + i``; ``page_table [B,max_pages]``.
 
 One program per (sequence b, kv head kh, block of rows, split s) walks the key positions u
 of split s (those the block's rows can see, under a causal mask or a window),
@@ -42,19 +43,15 @@ MIN_SPLIT = 256  # key positions a split walks at least
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def block_rows(h) -> int:
-  return BLOCK_ROWS if h <= 128 else BLOCK_ROWS // 2
-
-
 def rows(t, group, h=128) -> tuple[int, int]:
   """(R, rows a program carries): ``t * group`` rounded up to a power of two >= 16, or
-  to whole blocks when longer than one."""
-  block = block_rows(h)
+  to whole blocks when longer than one (head dim ``h`` above 128 halves the block)."""
+  block = BLOCK_ROWS if h <= 128 else BLOCK_ROWS // 2
   r = max(16, 1 << (t * group - 1).bit_length())
   return (r, r) if r <= block else (-(-t * group // block) * block, block)
 
 
-def supports(t, group, h, hv, dtype) -> str | None:
+def supports(h, hv, dtype) -> str | None:
   """None when the kernel serves these sizes, else why not."""
   if h not in HEAD_DIMS or hv not in HEAD_DIMS:
     return f"head dims H={h}, Hv={hv}: the kernel takes {HEAD_DIMS}"
@@ -76,6 +73,7 @@ class Static:
   soft_cap: float | None
   splits: int
   chunk: int  # key positions per split
+  block: int  # query rows per program
   interpret: bool = False
 
   @property
@@ -148,16 +146,18 @@ def _params(r, h, hv, cache_bytes):
                                   num_stages=3 if 3 * stage <= 160 * 1024 else 2)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "block"))
-def partials(q, key_cache, value_cache, page_table, lengths, scales, *, st: Static, block):
+@functools.partial(jax.jit, static_argnames=("st",))
+def partials(q, key_cache, value_cache, page_table, lengths, scales, *, st: Static):
   """The splits' ``(acc [B,K,S,R,Hv], mx [B,K,S,R], l [B,K,S,R])`` float32, mx and l in
-  base 2, ``block`` rows a program. ``lengths [2,B]``: kv lengths (clamped to the
-  capacity), query lengths (clamped to T); ``scales [1]``: k_scale (1 for other caches)."""
+  base 2. ``lengths [2,B]``: kv lengths (clamped to the capacity), query lengths (clamped
+  to T); ``scales [1]``: k_scale (1 for other caches)."""
   b, kv_heads, r, h = q.shape
   hv = value_cache.shape[-1]
+  block = st.block
   whole = pl.no_block_spec
   per_split = lambda *tail: pl.BlockSpec(
-      (None, None, None, block) + tail, lambda b_, k_, r_, s_: (b_, k_, s_, r_) + (0,) * len(tail))
+      (None, None, None, block) + tail,
+      lambda b_, k_, r_, s_: (b_, k_, s_, r_) + (0,) * len(tail))
   cache_bytes = max(key_cache.dtype.itemsize, value_cache.dtype.itemsize)
   return launch(
       functools.partial(_kernel, st=st),
@@ -171,7 +171,7 @@ def partials(q, key_cache, value_cache, page_table, lengths, scales, *, st: Stat
                  jax.ShapeDtypeStruct((b, kv_heads, st.splits, r), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, st.splits, r), jnp.float32)],
       compiler_params=_params(block, h, hv, cache_bytes), interpret=st.interpret,
-      name="sdpa_paged_decode")
+      name="sdpa_paged")
 
 
 def combine(acc, mx, l, sinks2, valid, v_scale=None):
@@ -219,7 +219,7 @@ def sdpa_paged(query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
   splits, chunk = splits_for(b * (r // block), kv_heads, capacity, cores)
   st = Static(t=t, group=group, pages=pages, page=page, scale=float(scale),
               causal=bool(causal), window=window, soft_cap=soft_cap, splits=splits,
-              chunk=chunk, interpret=interpret)
+              chunk=chunk, block=block, interpret=interpret)
   # [B,T,K,G,H] -> [B,K,T*G,H], padded to R rows.
   q = query.reshape(b, t, kv_heads, group, h).transpose(0, 2, 1, 3, 4)
   q = q.reshape(b, kv_heads, t * group, h)
@@ -229,7 +229,7 @@ def sdpa_paged(query, key_cache, value_cache, page_table, kv_lengths, q_lengths,
   lengths = jnp.stack([kv_lengths, q_lengths]).astype(jnp.int32)
   acc, mx, l = partials(q, key_cache.reshape(pages * page, kv_heads, h),
                         value_cache.reshape(pages * page, kv_heads, hv),
-                        page_table.astype(jnp.int32), lengths, scales, st=st, block=block)
+                        page_table.astype(jnp.int32), lengths, scales, st=st)
 
   row = jnp.arange(r)
   sinks2 = None
